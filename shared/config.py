@@ -1,0 +1,261 @@
+"""Run configuration: YAML validated by pydantic, overridable from the environment.
+
+``CHORUS_TRAIN__MAX_VERSIONS=3`` overrides ``train.max_versions``; unknown keys are errors that name
+the path of the bad key.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from shared.subjects import check_token
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with the file and the dotted path of the bad key."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class RunSection(Section):
+    id: str = "run"
+    dir: Path = Path("runs")
+    seed: int = 0
+
+    @field_validator("id")
+    @classmethod
+    def _token(cls, v: str) -> str:
+        return check_token(v, "run.id")
+
+
+class NatsSection(Section):
+    url: str | None = None  # None: `chorus up` starts an embedded nats-server
+    max_payload_mb: int = Field(default=8, ge=1, le=64)
+    connect_timeout_s: float = 5.0
+
+
+class ArchConfig(Section):
+    """A tiny random-initialised Llama-style causal LM."""
+
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    intermediate_size: int = 128
+    max_position: int = 128
+    init_std: float = 0.02
+
+
+class RolloutSection(Section):
+    instances: int = Field(default=1, ge=1)
+    max_batch: int = Field(default=64, ge=1)
+    batch_window_ms: float = Field(default=5.0, ge=0.0)
+    threads: int = Field(default=1, ge=1)  # torch intra-op threads of the engine's worker
+    request_timeout_s: float = 60.0
+
+
+class OptimSection(Section):
+    lr: float = Field(default=1e-3, gt=0)
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = 1.0
+
+
+class ModelConfig(Section):
+    arch: ArchConfig = Field(default_factory=ArchConfig)
+    rollouter: RolloutSection = Field(default_factory=RolloutSection)
+    optim: OptimSection = Field(default_factory=OptimSection)
+
+
+class AgentConfig(Section):
+    model: str
+    adapter: str | None = None
+    prompt: str = ""
+
+
+class WorkflowConfig(Section):
+    name: Literal["solve_verify"] = "solve_verify"
+    solver: str = "solver"  # agent names
+    verifier: str = "verifier"
+    concurrency: int = Field(default=8, ge=1)  # K tasks in flight, each with G rollouts
+    group_size: int = Field(default=8, ge=1)  # G
+    max_new_tokens: int = Field(default=4, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+
+
+class TaskConfig(Section):
+    name: Literal["arithmetic"] = "arithmetic"
+    max_operand: int = Field(default=4, ge=1)
+    ops: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+"])
+    modulo: int | None = 10  # answers reduced mod this (a single digit by default)
+
+
+class TrainConfig(Section):
+    max_versions: int = Field(default=50, ge=1)
+    global_batch: int = Field(default=64, ge=1)  # samples per optimizer step
+    micro_batch: int = Field(default=32, ge=1)  # samples per micro-batch from mq (whole groups)
+    max_staleness: int = Field(default=2, ge=0)
+    clip_eps: float = 0.2
+    checkpoint_every: int = Field(default=25, ge=0)  # versions; 0 = never
+    threads: int = Field(default=1, ge=1)
+    ack_wait_s: float = 60.0
+
+
+class MqConfig(Section):
+    capacity: int | None = None  # samples in flight before backpressure; None: (max_staleness+1)*global_batch
+    report_interval_s: float = 0.5
+    max_ready_msgs: int = 256
+
+
+class ActionsConfig(Section):
+    cores: int = Field(default=1, ge=1)  # CPU core budget: worker subprocesses
+    timeout_s: float = Field(default=5.0, gt=0)
+    memory_mb: int = Field(default=512, ge=16)
+
+
+class ParamSyncConfig(Section):
+    transport: Literal["nats"] = "nats"
+    pause_timeout_s: float = 30.0
+    load_timeout_s: float = 60.0
+    chunk_kb: int = Field(default=512, ge=16)
+
+
+class ChorusConfig(BaseSettings):
+    """A whole run."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="CHORUS_", env_nested_delimiter="__", extra="forbid", case_sensitive=False
+    )
+
+    run: RunSection = Field(default_factory=RunSection)
+    nats: NatsSection = Field(default_factory=NatsSection)
+    models: dict[str, ModelConfig]
+    agents: dict[str, AgentConfig]
+    workflow: WorkflowConfig = Field(default_factory=WorkflowConfig)
+    task: TaskConfig = Field(default_factory=TaskConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    mq: MqConfig = Field(default_factory=MqConfig)
+    actions: ActionsConfig = Field(default_factory=ActionsConfig)
+    paramsync: ParamSyncConfig = Field(default_factory=ParamSyncConfig)
+    metrics_interval_s: float = 2.0
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # Environment overrides the YAML file (passed as init kwargs).
+        return (env_settings, init_settings)
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> ChorusConfig:
+        for name in self.models:
+            check_token(name, "model name")
+        for agent, a in self.agents.items():
+            check_token(agent, "agent name")
+            if a.model not in self.models:
+                raise ValueError(f"agents.{agent}.model: {a.model!r} is not one of models {sorted(self.models)}")
+        for role in ("solver", "verifier"):
+            agent = getattr(self.workflow, role)
+            if agent not in self.agents:
+                raise ValueError(f"workflow.{role}: agent {agent!r} is not one of agents {sorted(self.agents)}")
+        if self.train.global_batch % self.workflow.group_size:
+            raise ValueError(
+                f"train.global_batch ({self.train.global_batch}) must be a multiple of "
+                f"workflow.group_size ({self.workflow.group_size}): groups are never split"
+            )
+        return self
+
+    # --- derived --------------------------------------------------------------------------
+    @property
+    def run_dir(self) -> Path:
+        return self.run.dir / self.run.id
+
+    def agents_of(self, model: str) -> list[str]:
+        return [a for a, c in self.agents.items() if c.model == model]
+
+    @property
+    def mq_capacity(self) -> int:
+        if self.mq.capacity is not None:
+            return self.mq.capacity
+        return (self.train.max_staleness + 1) * self.train.global_batch
+
+    def micro_batch_groups(self) -> int:
+        """Whole groups per micro-batch (at least one)."""
+        return max(1, self.train.micro_batch // self.workflow.group_size)
+
+    def dump_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def _format_error(exc: ValidationError, source: str) -> str:
+    lines = [f"invalid config {source}:"]
+    for err in exc.errors():
+        path = ".".join(str(p) for p in err["loc"]) or "<root>"
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key (check the spelling against configs/ and docs/config.md)"
+        elif err["type"] == "missing":
+            msg = "required key is missing"
+        got = err.get("input")
+        hint = "" if err["type"] in ("extra_forbidden", "missing") or isinstance(got, dict) else f" (got {got!r})"
+        lines.append(f"  {path}: {msg}{hint}")
+    return "\n".join(lines)
+
+
+def load_config(path: str | os.PathLike[str] | None = None, **overrides: Any) -> ChorusConfig:
+    """Load a YAML run config, apply ``CHORUS_*`` environment overrides, validate it."""
+    data: dict[str, Any] = {}
+    source = "<defaults>"
+    if path is not None:
+        p = Path(path)
+        source = str(p)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist")
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {p} is not valid YAML: {exc}") from exc
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {p}: expected a mapping at the top, got {type(loaded).__name__}")
+        data = loaded
+    data = _deep_merge(data, overrides)
+    try:
+        return ChorusConfig(**data)
+    except ValidationError as exc:
+        raise ConfigError(_format_error(exc, source)) from None
+    except ValueError as exc:
+        raise ConfigError(f"invalid config {source}: {exc}") from None
+
+
+def config_from_yaml_text(text: str) -> ChorusConfig:
+    """Rebuild a config from :meth:`ChorusConfig.dump_yaml` output (e.g. read from the run's KV)."""
+    data = yaml.safe_load(text)
+    try:
+        return ChorusConfig(**data)
+    except ValidationError as exc:
+        raise ConfigError(_format_error(exc, "<kv>")) from None
+
+
+def _deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in extra.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out

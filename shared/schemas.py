@@ -1,0 +1,233 @@
+"""Message schemas of the bus (pydantic v2). Each carries a ``schema`` version; see :mod:`shared.codec`."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, ClassVar, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class Message(BaseModel):
+    """Base of every bus message: strict keys, a schema version serialised as ``schema``."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, arbitrary_types_allowed=False)
+    SCHEMA: ClassVar[int] = 1
+    schema_: int = Field(default=1, alias="schema")
+
+
+class Array(BaseModel):
+    """An n-d array as raw little-endian bytes plus dtype and shape."""
+
+    model_config = ConfigDict(extra="forbid")
+    dtype: Literal["int32", "int64", "float32", "float16", "bfloat16", "uint8"]
+    shape: list[int]
+    data: bytes
+
+    @field_validator("shape")
+    @classmethod
+    def _non_negative(cls, v: list[int]) -> list[int]:
+        if any(d < 0 for d in v):
+            raise ValueError("shape dimensions must be >= 0")
+        return v
+
+    def model_post_init(self, __context: Any) -> None:
+        if self.dtype == "bfloat16":
+            itemsize = 2
+        else:
+            itemsize = np.dtype(self.dtype).itemsize
+        n = int(np.prod(self.shape)) if self.shape else 1
+        if n * itemsize != len(self.data):
+            raise ValueError(f"array of shape {self.shape} {self.dtype} needs {n * itemsize} bytes, got {len(self.data)}")
+
+    @classmethod
+    def of(cls, values: Any, dtype: str = "int32") -> Array:
+        arr = np.ascontiguousarray(np.asarray(values, dtype=dtype))
+        return cls(dtype=dtype, shape=list(arr.shape), data=arr.tobytes())  # type: ignore[arg-type]
+
+    def numpy(self) -> np.ndarray:
+        return np.frombuffer(self.data, dtype=self.dtype).reshape(self.shape)
+
+    def tolist(self) -> list[Any]:
+        return self.numpy().tolist()
+
+    def __len__(self) -> int:
+        return self.shape[0] if self.shape else 1
+
+
+# --- rollouter ------------------------------------------------------------------------------
+
+
+class GenRequest(Message):
+    """Generate continuations for a batch of prompts (token ids) with one sampling setting."""
+
+    request_id: str
+    prompts: list[Array]
+    max_new_tokens: int = Field(gt=0, le=4096)
+    temperature: float = Field(default=1.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    adapter: str | None = None
+    stop_ids: list[int] = Field(default_factory=list)
+
+
+class GenOutput(Message):
+    ids: Array  # response token ids, int32 [n]
+    logprobs: Array  # behaviour log-probs of those ids, float32 [n]
+    finish: Literal["stop", "length"]
+
+
+class GenResponse(Message):
+    request_id: str
+    outputs: list[GenOutput] = Field(default_factory=list)
+    version: int = 0  # weight version that produced every output (never a mix)
+    instance: str = ""
+    error: str | None = None
+
+
+class RolloutControl(Message):
+    """pause / load / resume of one rollouter instance, sent by paramsync."""
+
+    verb: Literal["pause", "load", "resume", "info"]
+    version: int = 0
+    object_name: str | None = None
+    checksum: str | None = None
+    timeout_s: float = 30.0
+
+
+class RolloutControlReply(Message):
+    ok: bool
+    instance: str
+    version: int
+    checksum: str | None = None
+    in_flight: int = 0
+    error: str | None = None
+
+
+# --- trajectories ---------------------------------------------------------------------------
+
+
+class Sample(Message):
+    """One agent turn of one rollout: what the trainer of ``model`` learns from."""
+
+    run: str
+    episode: str
+    sample_id: str  # {input_id}_{turn}_{trajectory}
+    env_idx: int
+    rollout_idx: int
+    agent: str
+    model: str
+    adapter: str | None = None
+    turn: int
+    prompt_ids: Array
+    response_ids: Array
+    behavior_logprobs: Array
+    reward: float
+    group_key: str  # AT-GRPO group: (env, agent, turn)
+    group_size: int = Field(gt=0)
+    version: int  # acting model's weight version at generation
+    versions: dict[str, int] = Field(default_factory=dict)  # snapshot of every model's version
+    timings: dict[str, float] = Field(default_factory=dict)
+    created_at: float = Field(default_factory=time.time)
+
+    @staticmethod
+    def make_id(input_id: str, turn: int, trajectory: int) -> str:
+        return f"{input_id}_{turn}_{trajectory}"
+
+
+class MicroBatch(Message):
+    """Complete GRPO groups assembled by mq for one model's trainer."""
+
+    batch_id: str
+    model: str
+    samples: list[Sample]
+    trained_version_seen: int = 0  # mq's view of the trainer version when it assembled this batch
+    created_at: float = Field(default_factory=time.time)
+
+
+# --- paramsync ------------------------------------------------------------------------------
+
+
+class WeightsAnnounce(Message):
+    """The trainer has weights of ``version`` for ``model`` in the object store."""
+
+    model: str
+    version: int
+    object_name: str
+    checksum: str  # sha256 hex of the flat buffer
+    nbytes: int
+    created_at: float = Field(default_factory=time.time)
+
+
+class SyncDone(Message):
+    model: str
+    version: int
+    loaded: list[str]  # instances that acked with the right checksum
+    failed: dict[str, str] = Field(default_factory=dict)  # instance -> reason
+    seconds: float = 0.0
+
+
+# --- actions --------------------------------------------------------------------------------
+
+
+class ActionRequest(Message):
+    """A batch of CPU actions; ``kind`` names a registered action, ``payloads`` its inputs."""
+
+    action_id: str
+    kind: str
+    payloads: list[dict[str, Any]]
+    cores: int = Field(default=1, ge=1)
+    timeout_s: float = Field(default=10.0, gt=0.0)
+
+
+class ActionResult(Message):
+    action_id: str
+    results: list[dict[str, Any]] = Field(default_factory=list)
+    errors: list[str | None] = Field(default_factory=list)  # one per payload; None when it ran
+    seconds: float = 0.0
+    error: str | None = None  # the whole request failed
+
+
+# --- observability --------------------------------------------------------------------------
+
+
+class StepRecord(Message):
+    """One trainer step; also one line of ``runs/<run>/metrics.jsonl``."""
+
+    model: str
+    version: int
+    reward_mean: float
+    reward_std: float
+    samples: int
+    staleness_mean: float
+    staleness_max: int
+    dropped_stale: int
+    step_seconds: float
+    loss: float
+    agent_reward: dict[str, float] = Field(default_factory=dict)
+    sample_ids: list[str] = Field(default_factory=list)
+    time: float = Field(default_factory=time.time)
+
+
+class DepthReport(Message):
+    model: str
+    depth: int  # samples accepted by mq and not yet acked by the trainer
+    capacity: int
+    trained_version: int
+    dropped_stale: int = 0
+
+
+class DropEvent(Message):
+    model: str
+    sample_ids: list[str]
+    reason: str
+    count: int
+
+
+class DlqEntry(Message):
+    service: str
+    instance: str
+    subject: str
+    reason: str
+    data: bytes
+    time: float = Field(default_factory=time.time)

@@ -1,0 +1,246 @@
+"""The service base: connect, micro service endpoint, periodic metrics, DLQ, graceful drain on signals.
+
+A service subclasses :class:`Service`, implements :meth:`setup` (subscriptions and loops started with
+:meth:`spawn`) and optionally :meth:`teardown` (drain in-flight work), and its ``__main__`` calls
+:func:`main_for`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+import time
+from collections import Counter
+from collections.abc import Coroutine
+from typing import Any, ClassVar
+
+import structlog
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+from nats.js.kv import KeyValue
+from nats.js.object_store import ObjectStore
+from nats.micro import add_service
+from nats.micro.request import Request
+
+from shared.bus import connect, ensure_run
+from shared.codec import encode_json
+from shared.config import ChorusConfig, ConfigError, load_config
+from shared.logs import setup_logging
+from shared.subjects import Names
+
+VERSION = "0.1.0"
+
+
+class Service:
+    """One Chorus service instance. ``name`` is the service kind; ``per_model`` services need ``model``."""
+
+    name: ClassVar[str] = "service"
+    per_model: ClassVar[bool] = False
+
+    def __init__(self, cfg: ChorusConfig, *, nats_url: str, instance: str = "0", model: str | None = None) -> None:
+        if self.per_model:
+            if model is None:
+                raise ConfigError(f"{self.name} runs per model: pass --model (one of {sorted(cfg.models)})")
+            if model not in cfg.models:
+                raise ConfigError(f"--model {model!r} is not one of the configured models {sorted(cfg.models)}")
+        self.cfg = cfg
+        self.nats_url = nats_url
+        self.instance = instance
+        self.model = model
+        self.names = Names(cfg.run.id)
+        self.counters: Counter[str] = Counter()
+        self.started_at = time.time()
+        self.log = structlog.get_logger().bind(service=self.name, instance=instance, model=model)
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._stop = asyncio.Event()
+        self.exit_code = 0
+        self.nc: NATS
+        self.js: JetStreamContext
+        self.kv: KeyValue
+        self.obj: ObjectStore
+
+    # --- to override ----------------------------------------------------------------------
+    async def setup(self) -> None:
+        """Subscribe and start loops (with :meth:`spawn`)."""
+
+    async def teardown(self) -> None:
+        """Drain in-flight work before the connection drains."""
+
+    def extra_metrics(self) -> dict[str, Any]:
+        """Gauges added to the periodic metrics message."""
+        return {}
+
+    # --- lifecycle ------------------------------------------------------------------------
+    @property
+    def client_name(self) -> str:
+        suffix = f".{self.model}" if self.model else ""
+        return f"{self.name}{suffix}.{self.instance}"
+
+    async def start(self) -> None:
+        self.nc = await connect(self.nats_url, self.client_name, timeout_s=self.cfg.nats.connect_timeout_s)
+        self.js = self.nc.jetstream(timeout=10.0)
+        self.kv, self.obj = await ensure_run(self.js, self.cfg)
+        self._micro = await add_service(
+            self.nc,
+            name=f"chorus-{self.name}",
+            version=VERSION,
+            description=f"Chorus {self.name} ({self.cfg.run.id})",
+            metadata={"run": self.cfg.run.id, "instance": self.instance, "model": self.model or ""},
+        )
+        await self._micro.add_endpoint(
+            name="status",
+            subject=f"{self.names.control(self.name, 'status')}.{self.model or '_'}.{self.instance}",
+            handler=self._status_handler,
+        )
+        await self.setup()
+        self.spawn(self._metrics_loop(), "metrics")
+        self.log.info("service started", nats=self.nats_url)
+
+    def stop(self, code: int = 0) -> None:
+        """Ask the service to drain and exit."""
+        self.exit_code = self.exit_code or code
+        self._stop.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    async def wait_stopped(self, timeout: float | None = None) -> bool:
+        try:
+            await asyncio.wait_for(self._stop.wait(), timeout)
+            return True
+        except TimeoutError:
+            return False
+
+    async def serve(self) -> int:
+        """Start, run until a signal or :meth:`stop`, drain, return the exit code."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stop)
+        try:
+            await self.start()
+        except Exception as exc:
+            self.log.error("service failed to start", error=f"{type(exc).__name__}: {exc}")
+            await self._close()
+            return 2
+        await self._stop.wait()
+        self.log.info("draining")
+        try:
+            await asyncio.wait_for(self.teardown(), timeout=30)
+        except Exception as exc:
+            self.log.error("teardown failed", error=f"{type(exc).__name__}: {exc}")
+        await self._close()
+        self.log.info("stopped", exit_code=self.exit_code)
+        return self.exit_code
+
+    async def _close(self) -> None:
+        for t in list(self._tasks):
+            t.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        if getattr(self, "_micro", None) is not None:
+            try:
+                await self._micro.stop()
+            except Exception as exc:
+                self.log.warning("micro stop failed", error=str(exc))
+        if getattr(self, "nc", None) is not None and self.nc.is_connected:
+            try:
+                await asyncio.wait_for(self.nc.drain(), timeout=10)
+            except Exception as exc:
+                self.log.warning("nats drain failed", error=str(exc))
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
+        """Run a background task owned by this service; a crash is logged, counted and stops the service."""
+        task = asyncio.create_task(coro, name=f"{self.name}:{name}")
+        self._tasks.add(task)
+
+        def done(t: asyncio.Task[Any]) -> None:
+            self._tasks.discard(t)
+            if t.cancelled():
+                return
+            exc = t.exception()
+            if exc is not None:
+                self.counters["task_failures"] += 1
+                self.log.error("background task failed", task=name, error=f"{type(exc).__name__}: {exc}",
+                               exc_info=exc)
+                self.stop(1)
+
+        task.add_done_callback(done)
+        return task
+
+    # --- helpers --------------------------------------------------------------------------
+    async def to_dlq(self, subject: str, data: bytes, reason: str) -> None:
+        """Reject a message: publish it unchanged on ``dlq.<service>`` with the reason in headers, count it."""
+        self.counters["dlq"] += 1
+        self.log.warning("rejected message", subject=subject, reason=reason, bytes=len(data))
+        await self.nc.publish(
+            self.names.dlq(self.name),
+            data,
+            headers={
+                "Chorus-Reason": reason[:1000],
+                "Chorus-Subject": subject,
+                "Chorus-Service": self.name,
+                "Chorus-Instance": self.instance,
+            },
+        )
+
+    async def event(self, kind: str, **fields: Any) -> None:
+        await self.nc.publish(
+            self.names.events(self.name),
+            encode_json({"kind": kind, "instance": self.instance, "model": self.model, "time": time.time(), **fields}),
+        )
+
+    def metrics_snapshot(self) -> dict[str, Any]:
+        return {
+            "service": self.name,
+            "instance": self.instance,
+            "model": self.model,
+            "run": self.cfg.run.id,
+            "time": time.time(),
+            "uptime_s": round(time.time() - self.started_at, 3),
+            "counters": dict(self.counters),
+            **self.extra_metrics(),
+        }
+
+    async def _metrics_loop(self) -> None:
+        subject = self.names.metrics(self.name, f"{self.model}-{self.instance}" if self.model else self.instance)
+        while not self.stopping:
+            await self.nc.publish(subject, encode_json(self.metrics_snapshot()))
+            await asyncio.sleep(self.cfg.metrics_interval_s)
+
+    async def _status_handler(self, req: Request) -> None:
+        await req.respond(encode_json(self.metrics_snapshot()))
+
+
+def parse_args(service: type[Service], argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=f"chorus serve {service.name}", description=f"Run one Chorus {service.name}.")
+    p.add_argument("--config", required=True, help="run config YAML")
+    p.add_argument("--nats", default=None, help="NATS URL (overrides nats.url)")
+    p.add_argument("--model", default=None, help="model this instance serves" + (" (required)" if service.per_model else ""))
+    p.add_argument("--instance", default="0", help="instance id (default 0)")
+    return p.parse_args(argv)
+
+
+def main_for(service: type[Service], argv: list[str] | None = None) -> None:
+    """Entry point of ``python -m services.<name>`` and ``chorus serve <name>``."""
+    args = parse_args(service, argv)
+    try:
+        cfg = load_config(args.config)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    setup_logging(run=cfg.run.id)
+    url = args.nats or cfg.nats.url
+    if not url:
+        print("error: no NATS URL: pass --nats nats://HOST:PORT or set nats.url in the config", file=sys.stderr)
+        sys.exit(2)
+    try:
+        svc = service(cfg, nats_url=url, instance=args.instance, model=args.model)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    import uvloop
+
+    sys.exit(uvloop.run(svc.serve()))
