@@ -89,6 +89,14 @@ class Names:
     def dlq(self, service: str) -> str:
         return f"{self.prefix}.dlq.{service}"
 
+    def events_all(self) -> str:
+        return f"{self.prefix}.events.>"
+
+    @staticmethod
+    def srv_ping(service: str | None = None) -> str:
+        """NATS micro API ping of every service, or of one Chorus service kind (answers carry metadata.run)."""
+        return "$SRV.PING" if service is None else f"$SRV.PING.chorus-{service}"
+
     # --- JetStream objects ------------------------------------------------------------------
     def traj_stream(self, model: str) -> str:
         return f"CHORUS_{_upper(self.run)}_TRAJ_{_upper(model)}"

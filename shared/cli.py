@@ -1,0 +1,224 @@
+"""The ``chorus`` command: serve one service, run a whole config locally, plot, status and monitor."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from shared.config import ChorusConfig, ConfigError, load_config
+from shared.logs import setup_logging
+from shared.subjects import SERVICES, Names
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Chorus: asynchronous multi-agent, multi-model LLM RL on NATS JetStream.")
+console = Console()
+err = Console(stderr=True)
+
+ConfigOpt = Annotated[Path, typer.Option("--config", "-c", help="run config YAML")]
+NatsOpt = Annotated[str | None, typer.Option("--nats", help="NATS URL (overrides nats.url)")]
+RunOpt = Annotated[str | None, typer.Option("--run", help="run id (default: run.id of the config)")]
+
+
+def _load(config: Path, run: str | None = None) -> ChorusConfig:
+    try:
+        cfg = load_config(config)
+    except ConfigError as exc:
+        err.print(f"[red]error:[/] {exc}", highlight=False)
+        raise typer.Exit(2) from None
+    if run:
+        cfg.run.id = run
+    return cfg
+
+
+def _url(cfg: ChorusConfig, nats: str | None) -> str:
+    url = nats or cfg.nats.url
+    if not url:
+        err.print("[red]error:[/] no NATS URL: pass --nats nats://HOST:PORT or set nats.url in the config")
+        raise typer.Exit(2)
+    return url
+
+
+@app.command(context_settings={"allow_extra_args": False})
+def serve(
+    service: Annotated[str, typer.Argument(help=f"one of {', '.join(SERVICES)}")],
+    config: ConfigOpt,
+    nats: NatsOpt = None,
+    model: Annotated[str | None, typer.Option("--model", help="model (per-model services)")] = None,
+    instance: Annotated[str, typer.Option("--instance", help="instance id")] = "0",
+) -> None:
+    """Run one service in this process (bare metal, containers, systemd)."""
+    if service not in SERVICES:
+        err.print(f"[red]error:[/] unknown service {service!r}: choose one of {', '.join(SERVICES)}")
+        raise typer.Exit(2)
+    argv = [sys.executable, "-m", f"services.{service}", "--config", str(config), "--instance", instance]
+    if nats:
+        argv += ["--nats", nats]
+    if model:
+        argv += ["--model", model]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, argv)  # one process: signals from systemd/docker reach the service itself
+
+
+@app.command()
+def up(
+    config: Annotated[Path, typer.Argument(help="run config YAML")],
+    timeout_s: Annotated[float | None, typer.Option("--timeout-s", help="fail if not finished in time")] = None,
+) -> None:
+    """Run a whole config on this machine until every model reaches train.max_versions."""
+    import uvloop
+
+    from shared.supervisor import run_up
+
+    setup_logging(json=False, level="ERROR")  # the progress view is the output; client reconnect chatter is not
+    try:
+        code = uvloop.run(run_up(config, timeout_s=timeout_s, console=console))
+    except ConfigError as exc:
+        err.print(f"[red]error:[/] {exc}", highlight=False)
+        raise typer.Exit(2) from None
+    raise typer.Exit(code)
+
+
+@app.command()
+def plot(
+    run_dir: Annotated[Path, typer.Argument(help="a run directory (with metrics.jsonl) or a metrics.jsonl file")],
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="PNG path (default RUN_DIR/reward.png)")] = None,
+) -> None:
+    """Plot reward and staleness per version from a run's metrics.jsonl and print the summary."""
+    from shared.plotting import plot_run, summarize
+    from shared.supervisor import summary_table
+
+    metrics = run_dir if run_dir.is_file() else run_dir / "metrics.jsonl"
+    if not metrics.is_file():
+        err.print(f"[red]error:[/] {metrics} does not exist (the trainers write it in the run directory)")
+        raise typer.Exit(2)
+    try:
+        png = plot_run(metrics, out)
+    except ValueError as exc:
+        err.print(f"[red]error:[/] {exc}")
+        raise typer.Exit(1) from None
+    console.print(f"wrote {png}")
+    console.print(summary_table(summarize(metrics)))
+
+
+async def _status(cfg: ChorusConfig, url: str) -> Table:
+    from nats.js.errors import NotFoundError
+
+    from shared.bus import connect, kv_get_int
+    from shared.supervisor import ping_run
+
+    names = Names(cfg.run.id)
+    nc = await connect(url, "chorus-status", timeout_s=cfg.nats.connect_timeout_s)
+    try:
+        js = nc.jetstream(timeout=5.0)
+        t = Table(title=f"run {cfg.run.id} at {url}")
+        for col in ("model", "served version", "trained version", "traj msgs", "ready msgs"):
+            t.add_column(col, justify="left" if col == "model" else "right")
+        try:
+            kv = await js.key_value(names.kv_bucket)
+        except NotFoundError:
+            kv = None
+        for m in cfg.models:
+            served = await kv_get_int(kv, Names.version_key(m), -1) if kv else -1
+            trained = await kv_get_int(kv, Names.trained_key(m), -1) if kv else -1
+            depths = []
+            for stream in (names.traj_stream(m), names.ready_stream(m)):
+                try:
+                    depths.append(str((await js.stream_info(stream)).state.messages))
+                except NotFoundError:
+                    depths.append("-")
+            t.add_row(m, _v(served), _v(trained), *depths)
+        answers = await ping_run(nc, cfg.run.id, window_s=0.5)
+        t.caption = f"{len(answers)} service instance(s) answered $SRV.PING: " + ", ".join(sorted(
+            f"{a.get('name', '?')}[{(a.get('metadata') or {}).get('model') or '-'}/"
+            f"{(a.get('metadata') or {}).get('instance', '?')}]" for a in answers)) if answers else \
+            "no service of this run answered $SRV.PING"
+        if kv is None:
+            t.caption += f" (no KV bucket {names.kv_bucket}: is the run id right? `chorus up` appends a timestamp)"
+        return t
+    finally:
+        await nc.close()
+
+
+def _v(v: int) -> str:
+    return "-" if v < 0 else str(v)
+
+
+@app.command()
+def status(config: ConfigOpt, nats: NatsOpt = None, run: RunOpt = None) -> None:
+    """Versions, stream depths and live services of a run (use runs/<id>/config.yaml of `chorus up`)."""
+    cfg = _load(config, run)
+    url = _url(cfg, nats)
+    setup_logging(json=False, level="ERROR")
+    try:
+        table = asyncio.run(asyncio.wait_for(_status(cfg, url), 30))
+    except (OSError, TimeoutError) as exc:
+        err.print(f"[red]error:[/] cannot reach NATS at {url}: {type(exc).__name__}: {exc}")
+        raise typer.Exit(1) from None
+    console.print(table)
+
+
+async def _monitor(cfg: ChorusConfig, url: str, duration_s: float | None) -> None:
+    from shared.bus import connect
+    from shared.codec import DecodeError, decode_json
+    from shared.progress import MonitorState
+
+    names = Names(cfg.run.id)
+    state = MonitorState()
+    nc = await asyncio.wait_for(connect(url, "chorus-monitor", timeout_s=cfg.nats.connect_timeout_s), 30)
+
+    async def on_metrics(msg) -> None:  # noqa: ANN001 - nats Msg
+        with contextlib.suppress(DecodeError):
+            state.on_metrics(msg.subject, decode_json(msg.data))
+
+    async def on_event(msg) -> None:  # noqa: ANN001
+        with contextlib.suppress(DecodeError):
+            state.on_event(msg.subject, decode_json(msg.data))
+
+    await nc.subscribe(names.metrics_all(), cb=on_metrics)
+    await nc.subscribe(names.events_all(), cb=on_event)
+    end = None if duration_s is None else time.monotonic() + duration_s
+    try:
+        with Live(state.table(), console=console, refresh_per_second=2) as live:
+            while end is None or time.monotonic() < end:
+                await asyncio.sleep(0.5)
+                live.update(state.table())
+    finally:
+        await nc.close()
+
+
+@app.command()
+def monitor(
+    config: ConfigOpt, nats: NatsOpt = None, run: RunOpt = None,
+    duration_s: Annotated[float | None, typer.Option("--duration-s", help="stop after this long")] = None,
+) -> None:
+    """Live table of every service's metrics and the latest events, until Ctrl-C."""
+    cfg = _load(config, run)
+    url = _url(cfg, nats)
+    setup_logging(json=False, level="ERROR")
+    try:
+        asyncio.run(_monitor(cfg, url, duration_s))
+    except KeyboardInterrupt:
+        raise typer.Exit(0) from None
+    except (OSError, TimeoutError) as exc:
+        err.print(f"[red]error:[/] cannot reach NATS at {url}: {type(exc).__name__}: {exc}")
+        raise typer.Exit(1) from None
+
+
+def main() -> None:
+    """Console-script entry point (``chorus``)."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""Reward curves and run summaries from a run's ``metrics.jsonl`` (one StepRecord per line)."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+SUMMARY_FRACTION = 0.2  # first/last 20% of a model's steps
+
+
+def load_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Read step records; lines that are not JSON objects with a model and a version are skipped."""
+    records: list[dict[str, Any]] = []
+    for line in Path(path).read_text().splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue  # a line cut short by a crash must not hide the rest of the run
+        if isinstance(rec, dict) and "model" in rec and "version" in rec:
+            records.append(rec)
+    return records
+
+
+def by_model(records: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """Group records per model, sorted by version."""
+    out: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for rec in records:
+        out[str(rec["model"])].append(rec)
+    return {m: sorted(rs, key=lambda r: int(r["version"])) for m, rs in sorted(out.items())}
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def summarize(metrics_path: str | os.PathLike[str]) -> dict[str, dict[str, float]]:
+    """Per model: ``steps``, ``first``/``last`` (mean reward_mean of the first/last 20% of steps, at least one
+    step each) and ``delta`` = last - first."""
+    summary: dict[str, dict[str, float]] = {}
+    for model, recs in by_model(load_metrics(metrics_path)).items():
+        rewards = [float(r["reward_mean"]) for r in recs]
+        k = max(1, int(len(rewards) * SUMMARY_FRACTION))
+        first, last = _mean(rewards[:k]), _mean(rewards[-k:])
+        summary[model] = {"steps": len(rewards), "first": first, "last": last, "delta": last - first}
+    return summary
+
+
+def plot_run(metrics_path: str | os.PathLike[str], out_path: str | os.PathLike[str] | None = None) -> Path:
+    """Write a PNG: reward_mean per version (one line per model, per-agent rewards dashed) above
+    staleness_mean per version. Returns the PNG path (default: next to metrics.jsonl, reward.png)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; never needs a display
+    import matplotlib.pyplot as plt
+
+    metrics_path = Path(metrics_path)
+    out = Path(out_path) if out_path is not None else metrics_path.parent / "reward.png"
+    models = by_model(load_metrics(metrics_path))
+    if not models:
+        raise ValueError(f"{metrics_path} has no step records (lines with model, version, reward_mean)")
+    fig, (ax_r, ax_s) = plt.subplots(2, 1, figsize=(9, 7), sharex=True, height_ratios=[2, 1])
+    for model, recs in models.items():
+        versions = [int(r["version"]) for r in recs]
+        line = ax_r.plot(versions, [float(r["reward_mean"]) for r in recs], label=model, linewidth=1.8)[0]
+        agents = sorted({a for r in recs for a in (r.get("agent_reward") or {})})
+        for agent in agents:
+            pts = [(int(r["version"]), float(r["agent_reward"][agent])) for r in recs
+                   if agent in (r.get("agent_reward") or {})]
+            ax_r.plot([p[0] for p in pts], [p[1] for p in pts], linestyle="--", linewidth=1.0,
+                      color=line.get_color(), alpha=0.7, label=f"{model}/{agent}")
+        ax_s.plot(versions, [float(r.get("staleness_mean", 0.0)) for r in recs], label=model,
+                  color=line.get_color())
+    ax_r.set_ylabel("reward (mean per step)")
+    ax_r.set_title(f"Chorus run {metrics_path.parent.name}")
+    ax_r.grid(alpha=0.3)
+    ax_r.legend(fontsize=8)
+    ax_s.set_ylabel("staleness (mean)")
+    ax_s.set_xlabel("version (optimizer steps)")
+    ax_s.grid(alpha=0.3)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

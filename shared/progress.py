@@ -1,0 +1,126 @@
+"""Live terminal views of a run: per-model progress of ``chorus up`` and the ``chorus monitor`` table."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+
+@dataclass
+class ModelProgress:
+    version: int = 0
+    reward_mean: float | None = None
+    done: bool = False
+
+
+@dataclass
+class RunTracker:
+    """Versions and latest rewards per model, fed by trainer events and KV reads."""
+
+    max_versions: int
+    models: dict[str, ModelProgress] = field(default_factory=dict)
+
+    @classmethod
+    def for_models(cls, models: list[str], max_versions: int) -> RunTracker:
+        return cls(max_versions=max_versions, models={m: ModelProgress() for m in models})
+
+    def on_event(self, ev: Any) -> None:
+        """Apply one ``events.trainer`` JSON object; anything unrecognised is ignored."""
+        if not isinstance(ev, dict):
+            return
+        model = ev.get("model")
+        if model not in self.models:
+            return
+        p = self.models[model]
+        kind = ev.get("kind")
+        if kind == "step":
+            if isinstance(ev.get("version"), int):
+                p.version = max(p.version, ev["version"])
+            if isinstance(ev.get("reward_mean"), int | float):
+                p.reward_mean = float(ev["reward_mean"])
+        elif kind == "done":
+            p.done = True
+        if p.version >= self.max_versions:
+            p.done = True
+
+    def on_trained_version(self, model: str, version: int) -> None:
+        """The trainer's KV version (covers events missed before the subscription started)."""
+        if model in self.models:
+            p = self.models[model]
+            p.version = max(p.version, version)
+            p.done = p.done or p.version >= self.max_versions
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.models) and all(p.version >= self.max_versions for p in self.models.values())
+
+
+class ProgressView:
+    """One rich progress bar per model: version / max_versions and the latest reward mean."""
+
+    def __init__(self, tracker: RunTracker, progress: Progress | None = None) -> None:
+        self.tracker = tracker
+        self.progress = progress or Progress(
+            TextColumn("[bold]{task.description:<14}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("reward {task.fields[reward]}"),
+            TimeElapsedColumn(),
+        )
+        self.tasks: dict[str, TaskID] = {
+            m: self.progress.add_task(m, total=tracker.max_versions, reward="-") for m in tracker.models
+        }
+
+    def refresh(self) -> None:
+        for m, task in self.tasks.items():
+            p = self.tracker.models[m]
+            reward = "-" if p.reward_mean is None else f"{p.reward_mean:.3f}"
+            self.progress.update(task, completed=min(p.version, self.tracker.max_versions), reward=reward)
+
+
+@dataclass
+class MonitorState:
+    """Latest metrics per service instance and the last few events, for ``chorus monitor``."""
+
+    metrics: dict[str, dict[str, Any]] = field(default_factory=dict)
+    events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    keep_events: int = 8
+
+    def on_metrics(self, subject: str, data: Any) -> None:
+        if isinstance(data, dict):
+            self.metrics[subject.rsplit(".", 2)[-2] + "." + subject.rsplit(".", 1)[-1]] = data
+
+    def on_event(self, subject: str, data: Any) -> None:
+        if isinstance(data, dict):
+            self.events.append((subject.rsplit(".", 1)[-1], data))
+            del self.events[: -self.keep_events]
+
+    def table(self) -> Table:
+        t = Table(title="Chorus services", expand=True)
+        for col in ("service.instance", "model", "uptime s", "age s", "counters / gauges"):
+            t.add_column(col)
+        now = time.time()
+        for key in sorted(self.metrics):
+            m = self.metrics[key]
+            extra = {k: v for k, v in m.items()
+                     if k not in ("service", "instance", "model", "run", "time", "uptime_s", "counters")}
+            fields = {**(m.get("counters") or {}), **extra}
+            shown = ", ".join(f"{k}={_short(v)}" for k, v in sorted(fields.items()))
+            age = now - float(m.get("time", now))
+            t.add_row(key, str(m.get("model") or ""), f"{m.get('uptime_s', 0):.0f}", f"{age:.1f}", shown)
+        for service, ev in self.events:
+            detail = ", ".join(f"{k}={_short(v)}" for k, v in ev.items()
+                               if k not in ("kind", "sample_ids", "time", "instance"))
+            t.add_row(f"[dim]event {service}", str(ev.get("model") or ""), "", "", f"[dim]{ev.get('kind')}: {detail}")
+        return t
+
+
+def _short(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}"
+    s = str(v)
+    return s if len(s) <= 40 else s[:37] + "..."

@@ -1,0 +1,327 @@
+"""``chorus up``: one run on one machine. Starts nats-server (unless configured), every service as its own
+OS process, supervises them, shows progress, stops everything cleanly and summarises the run."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js.kv import KeyValue
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from shared.bus import connect, ensure_run, kv_get_int
+from shared.codec import DecodeError, decode_json
+from shared.config import ChorusConfig, load_config
+from shared.natsserver import NatsServer
+from shared.plotting import plot_run, summarize
+from shared.progress import ProgressView, RunTracker
+from shared.subjects import Names
+
+STOP_GRACE_S = 20.0
+READY_TIMEOUT_S = 120.0
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True)
+class ChildSpec:
+    """One service process of a run."""
+
+    service: str
+    model: str | None = None
+    instance: str = "0"
+
+    @property
+    def key(self) -> str:
+        return f"{self.service}-{self.model}-{self.instance}" if self.model else f"{self.service}-{self.instance}"
+
+    def argv(self, config: Path, nats_url: str) -> list[str]:
+        cmd = [sys.executable, "-m", f"services.{self.service}", "--config", str(config), "--nats", nats_url,
+               "--instance", self.instance]
+        return cmd + (["--model", self.model] if self.model else [])
+
+
+def plan_services(cfg: ChorusConfig) -> list[ChildSpec]:
+    """Start order: actions; per model mq, trainer, rollouters, paramsync; the coordinator last."""
+    plan = [ChildSpec("actions")]
+    for model, mcfg in cfg.models.items():
+        plan.append(ChildSpec("mq", model))
+        plan.append(ChildSpec("trainer", model))
+        plan += [ChildSpec("rollouter", model, str(i)) for i in range(mcfg.rollouter.instances)]
+        plan.append(ChildSpec("paramsync", model))
+    plan.append(ChildSpec("coordinator"))
+    return plan
+
+
+def _die_with_parent() -> None:
+    # Children live in their own session (Ctrl-C reaches only the supervisor, which stops them in order);
+    # PDEATHSIG still takes them down if the supervisor itself is killed.
+    os.setsid()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass
+class Child:
+    key: str
+    argv: list[str]
+    log: Path
+    popen: subprocess.Popen[bytes]
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+@dataclass
+class Supervisor:
+    """Starts child processes with their output in ``log_dir/<key>.log`` and stops them (TERM, then KILL)."""
+
+    log_dir: Path
+    env: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
+    children: dict[str, Child] = field(default_factory=dict)
+    stopping: bool = False
+
+    def start(self, key: str, argv: Sequence[str]) -> Child:
+        """Start one child; must be called from the main thread (PDEATHSIG follows the creating thread)."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log = self.log_dir / f"{key}.log"
+        with open(log, "ab") as fh:
+            popen = subprocess.Popen(list(argv), stdout=fh, stderr=subprocess.STDOUT, env=dict(self.env),
+                                     stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+        child = Child(key, list(argv), log, popen)
+        self.children[key] = child
+        return child
+
+    def exited(self) -> list[Child]:
+        """Children that have exited while the run was not stopping (any exit code is unexpected)."""
+        if self.stopping:
+            return []
+        return [c for c in self.children.values() if not c.alive()]
+
+    async def stop_all(self, grace_s: float = STOP_GRACE_S) -> dict[str, int]:
+        """SIGTERM every child, wait up to ``grace_s``, SIGKILL the rest; returns exit codes per key."""
+        self.stopping = True
+        for c in self.children.values():
+            if c.alive():
+                with contextlib.suppress(ProcessLookupError):
+                    c.popen.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while any(c.alive() for c in self.children.values()) and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        for c in self.children.values():
+            if c.alive():
+                with contextlib.suppress(ProcessLookupError):
+                    c.popen.kill()
+                await asyncio.to_thread(c.popen.wait)
+        return {k: int(c.popen.returncode) for k, c in self.children.items()}
+
+
+@contextlib.contextmanager
+def env_override(**values: str) -> Iterator[None]:
+    """Temporarily set environment variables (the config loader reads ``CHORUS_*`` from os.environ)."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def unique_run_id(base: str, now: float | None = None) -> str:
+    return f"{base}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(now))}"
+
+
+async def ping_run(nc: NATS, run: str, service: str | None = None, window_s: float = 0.5) -> list[dict[str, Any]]:
+    """Collect ``$SRV.PING`` answers of one run's services for ``window_s`` seconds."""
+    answers: list[dict[str, Any]] = []
+    inbox = nc.new_inbox()
+
+    async def on_reply(msg: Msg) -> None:
+        with contextlib.suppress(ValueError):
+            data = json.loads(msg.data)
+            if isinstance(data, dict) and (data.get("metadata") or {}).get("run") == run:
+                answers.append(data)
+
+    sub = await nc.subscribe(inbox, cb=on_reply)
+    await nc.publish(Names.srv_ping(service), b"", reply=inbox)
+    await asyncio.sleep(window_s)
+    await sub.unsubscribe()
+    return answers
+
+
+def _ready(answers: list[dict[str, Any]], expected: Counter[str]) -> bool:
+    seen = Counter(str(a.get("name", "")).removeprefix("chorus-") for a in answers)
+    return all(seen[svc] >= n for svc, n in expected.items())
+
+
+def resolve_run(config_path: Path) -> ChorusConfig:
+    """Load the config with a unique run id (``<run.id>-<YYYYmmdd-HHMMSS>``) and an absolute run dir."""
+    base = load_config(config_path)
+    overrides = {"CHORUS_RUN__ID": unique_run_id(base.run.id), "CHORUS_RUN__DIR": str(base.run.dir.resolve())}
+    with env_override(**overrides):
+        return load_config(config_path)
+
+
+def child_env(cfg: ChorusConfig) -> dict[str, str]:
+    """Environment of every service: the resolved run id and dir win over anything in the YAML."""
+    root = str(Path(__file__).resolve().parents[1])
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "CHORUS_RUN__ID": cfg.run.id, "CHORUS_RUN__DIR": str(cfg.run.dir),
+            "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
+
+
+async def run_up(config_path: Path, *, timeout_s: float | None = None, console: Console | None = None) -> int:
+    """Run a whole config to ``train.max_versions``. Exit code: 0 done, 1 failure/timeout, 130 interrupted."""
+    console = console or Console()
+    cfg = resolve_run(config_path)
+    names = Names(cfg.run.id)
+    run_dir = cfg.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    console.print(f"run [bold]{cfg.run.id}[/] in {run_dir}")
+    server: NatsServer | None = None
+    url = cfg.nats.url
+    if not url:
+        server = NatsServer(run_dir / "nats", max_payload_mb=cfg.nats.max_payload_mb)
+        await asyncio.to_thread(server.start)
+        url = server.url
+        console.print(f"embedded nats-server at {url} (log {server.log_file})")
+    cfg.nats.url = url  # so that `chorus status --config <run_dir>/config.yaml` finds the live run
+    config_file = run_dir / "config.yaml"
+    config_file.write_text(cfg.dump_yaml())
+
+    sup = Supervisor(run_dir / "logs", env=child_env(cfg))
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    signals: list[int] = []
+
+    def on_signal(sig: int) -> None:
+        signals.append(sig)
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal, sig)
+    nc: NATS | None = None
+    code = 1
+    try:
+        nc = await connect(url, "chorus-up", timeout_s=cfg.nats.connect_timeout_s)
+        kv, _ = await ensure_run(nc.jetstream(timeout=10.0), cfg)  # before any child: no creation races
+        tracker = RunTracker.for_models(list(cfg.models), cfg.train.max_versions)
+
+        async def on_event(msg: Msg) -> None:
+            with contextlib.suppress(DecodeError):
+                tracker.on_event(decode_json(msg.data))
+
+        await nc.subscribe(names.events("trainer"), cb=on_event)
+        code = await _supervise(cfg, nc, kv, sup, tracker, config_file, url, stop, timeout_s, console)
+        if code == 130 and signals and signals[-1] == signal.SIGTERM:
+            code = 143
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        console.print("stopping services ...")
+        codes = await sup.stop_all()
+        bad = {k: c for k, c in codes.items() if c not in (0, -signal.SIGTERM)}
+        if bad and code == 0:
+            console.print(f"[yellow]services that did not exit cleanly: {bad}")
+        if nc is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(nc.close(), 5)
+        if server is not None:
+            await asyncio.to_thread(server.stop)
+    _report(run_dir, console)
+    return code
+
+
+async def _supervise(cfg: ChorusConfig, nc: NATS, kv: KeyValue, sup: Supervisor, tracker: RunTracker,
+                     config_file: Path, url: str, stop: asyncio.Event, timeout_s: float | None,
+                     console: Console) -> int:
+    plan = plan_services(cfg)
+    first, last = [s for s in plan if s.service != "coordinator"], [s for s in plan if s.service == "coordinator"]
+    for spec in first:
+        sup.start(spec.key, spec.argv(config_file, url))
+    console.print(f"started {len(first)} services; logs in {sup.log_dir}")
+    expected = Counter(s.service for s in first)
+    started_at = time.monotonic()
+    coordinator_started = False
+    view = ProgressView(tracker)
+    next_kv = 0.0
+    with Live(view.progress, console=console, refresh_per_second=4, transient=False):
+        while True:
+            dead = sup.exited()
+            if dead:
+                for c in dead:
+                    console.print(f"[red]service {c.key} exited unexpectedly with code {c.popen.returncode}; "
+                                  f"last lines of {c.log}:[/]\n{c.tail()}")
+                return 1
+            if stop.is_set():
+                console.print("[yellow]interrupted")
+                return 130
+            if timeout_s is not None and time.monotonic() - started_at > timeout_s:
+                console.print(f"[red]run did not finish within {timeout_s:.0f}s")
+                return 1
+            if not coordinator_started:
+                answers = await ping_run(nc, cfg.run.id, window_s=0.3)
+                late = time.monotonic() - started_at > READY_TIMEOUT_S
+                if _ready(answers, expected) or late:
+                    if late:
+                        console.print("[yellow]not every service answered a ping in time; starting the coordinator")
+                    for spec in last:
+                        sup.start(spec.key, spec.argv(config_file, url))
+                    coordinator_started = True
+            if time.monotonic() >= next_kv:
+                next_kv = time.monotonic() + 1.0
+                for m in cfg.models:
+                    tracker.on_trained_version(m, await kv_get_int(kv, Names.trained_key(m)))
+            view.refresh()
+            if tracker.finished:
+                console.print("[green]every model reached train.max_versions")
+                return 0
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.5)
+
+
+def _report(run_dir: Path, console: Console) -> None:
+    metrics = run_dir / "metrics.jsonl"
+    if not metrics.exists():
+        console.print(f"[yellow]no {metrics}: no step was recorded")
+        return
+    try:
+        png = plot_run(metrics, run_dir / "reward.png")
+        console.print(f"reward plot: {png}")
+    except ValueError as exc:
+        console.print(f"[yellow]no plot: {exc}")
+    console.print(summary_table(summarize(metrics)))
+
+
+def summary_table(summary: dict[str, dict[str, float]]) -> Table:
+    t = Table(title="reward per model (mean reward_mean of the first / last 20% of steps)")
+    for col in ("model", "steps", "first 20%", "last 20%", "delta"):
+        t.add_column(col, justify="left" if col == "model" else "right")
+    for model, s in summary.items():
+        t.add_row(model, str(int(s["steps"])), f"{s['first']:.3f}", f"{s['last']:.3f}", f"{s['delta']:+.3f}")
+    return t
