@@ -1,0 +1,210 @@
+"""Dynamic batching in front of one engine: merge requests arriving within a window, one generation at a time.
+
+Every engine call and every weight load runs on the same single worker thread, so a generation never sees
+two weight versions. Pause stops admitting (queued requests wait), drain waits for in-flight work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from services.rollouter.engine import GenResult, SamplingParams, TorchEngine
+
+T = TypeVar("T")
+
+
+class RequestExpired(TimeoutError):
+    """A request waited in the queue longer than the requester's timeout."""
+
+
+@dataclass
+class Job:
+    """One request: its rows share the sampling settings; answered as a whole with one version."""
+
+    prompts: list[list[int]]
+    params: SamplingParams
+    future: asyncio.Future[tuple[int, list[GenResult]]]
+    enqueued_at: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class BatchStats:
+    batches: int = 0
+    requests: int = 0
+    rows: int = 0
+    tokens: int = 0
+    busy_s: float = 0.0
+    max_requests_per_batch: int = 0
+    expired: int = 0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.busy_s if self.busy_s > 0 else 0.0
+
+
+class Batcher:
+    """Queue + window + single worker thread around a :class:`TorchEngine`."""
+
+    def __init__(self, engine: TorchEngine, executor: Executor, *, max_batch: int, window_s: float,
+                 request_timeout_s: float) -> None:
+        self.engine = engine
+        self.executor = executor
+        self.max_batch = max_batch
+        self.window_s = window_s
+        self.request_timeout_s = request_timeout_s
+        self.stats = BatchStats()
+        self._queue: deque[Job] = deque()
+        self._work = asyncio.Event()
+        self._admitting = asyncio.Event()
+        self._admitting.set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.in_flight = 0  # requests handed to the worker thread and not answered yet
+
+    # --- state ---------------------------------------------------------------------------
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    @property
+    def paused(self) -> bool:
+        return not self._admitting.is_set()
+
+    def submit(self, prompts: list[list[int]], params: SamplingParams) -> asyncio.Future[tuple[int, list[GenResult]]]:
+        """Queue a request; the future resolves to (version, one result per prompt)."""
+        fut: asyncio.Future[tuple[int, list[GenResult]]] = asyncio.get_running_loop().create_future()
+        self._queue.append(Job(prompts, params, fut))
+        self._work.set()
+        return fut
+
+    def pause(self) -> None:
+        """Stop admitting new work; queued requests wait for :meth:`resume`."""
+        self._admitting.clear()
+
+    def resume(self) -> None:
+        self._admitting.set()
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Wait until nothing is in flight; False on timeout."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+            return True
+        except TimeoutError:
+            return False
+
+    async def flush(self, timeout_s: float) -> bool:
+        """Wait until the queue is empty and nothing is in flight (used on shutdown)."""
+        deadline = time.monotonic() + timeout_s
+        while self._queue or self.in_flight:
+            if time.monotonic() > deadline or (self.paused and not self.in_flight):
+                return False
+            await asyncio.sleep(0.01)
+        return True
+
+    def fail_queued(self, exc: BaseException) -> int:
+        """Fail every queued request (shutdown); returns how many."""
+        n = 0
+        while self._queue:
+            job = self._queue.popleft()
+            if not job.future.done():
+                job.future.set_exception(exc)
+                n += 1
+        return n
+
+    async def exclusive(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the engine's worker thread, between generations (e.g. a weight load)."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn)
+
+    # --- loop ----------------------------------------------------------------------------
+    async def run(self) -> None:
+        """Forever: wait for work and admission, collect a window's worth, generate, answer."""
+        while True:
+            await self._work.wait()
+            await self._admitting.wait()
+            if self.window_s > 0 and self._rows_queued() < self.max_batch:
+                await asyncio.sleep(self.window_s)
+            if self.paused:  # paused during the window: keep everything queued
+                continue
+            jobs = self._take()
+            if not self._queue:
+                self._work.clear()
+            if not jobs:
+                continue
+            self.in_flight += len(jobs)
+            self._idle.clear()
+            try:
+                await self._execute(jobs)
+            finally:
+                self.in_flight -= len(jobs)
+                if self.in_flight == 0:
+                    self._idle.set()
+
+    def _rows_queued(self) -> int:
+        return sum(len(j.prompts) for j in self._queue)
+
+    def _take(self) -> list[Job]:
+        """Whole requests up to ``max_batch`` rows (at least one request); expired ones are failed."""
+        jobs: list[Job] = []
+        rows = 0
+        now = time.monotonic()
+        while self._queue:
+            job = self._queue[0]
+            if job.future.done():  # requester gave up (cancelled)
+                self._queue.popleft()
+                continue
+            if now - job.enqueued_at > self.request_timeout_s:
+                self._queue.popleft()
+                self.stats.expired += 1
+                job.future.set_exception(RequestExpired(
+                    f"request waited {now - job.enqueued_at:.1f}s in the queue (limit {self.request_timeout_s}s)"))
+                continue
+            if jobs and rows + len(job.prompts) > self.max_batch:
+                break
+            jobs.append(self._queue.popleft())
+            rows += len(job.prompts)
+        return jobs
+
+    async def _execute(self, jobs: Sequence[Job]) -> None:
+        prompts = [p for j in jobs for p in j.prompts]
+        params = [j.params for j in jobs for _ in j.prompts]
+        t0 = time.perf_counter()
+        try:
+            version, results = await asyncio.get_running_loop().run_in_executor(
+                self.executor, self._generate, prompts, params)
+        except Exception as exc:  # a failed generation answers its requests with the error
+            for j in jobs:
+                if not j.future.done():
+                    j.future.set_exception(exc)
+            return
+        self.stats.busy_s += time.perf_counter() - t0
+        self.stats.batches += 1
+        self.stats.requests += len(jobs)
+        self.stats.rows += len(prompts)
+        self.stats.tokens += sum(len(r.ids) for r in results)
+        self.stats.max_requests_per_batch = max(self.stats.max_requests_per_batch, len(jobs))
+        start = 0
+        for j in jobs:
+            part = results[start : start + len(j.prompts)]
+            start += len(j.prompts)
+            if not j.future.done():
+                j.future.set_result((version, part))
+
+    def _generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[int, list[GenResult]]:
+        # Runs on the worker thread: the version is read where the weights are used, so it is exact.
+        version = self.engine.version
+        return version, self.engine.generate(prompts, params)
+
+    def snapshot(self) -> dict[str, Any]:
+        s = self.stats
+        return {
+            "in_flight": self.in_flight, "queued": self.queued, "paused": self.paused,
+            "batches": s.batches, "requests": s.requests, "rows_generated": s.rows, "tokens": s.tokens,
+            "tokens_per_s": round(s.tokens_per_s, 1), "max_requests_per_batch": s.max_requests_per_batch,
+            "expired": s.expired,
+        }

@@ -1,0 +1,153 @@
+"""Batched sampling with a KV cache for a causal LM (torch backend of the rollouter).
+
+Knows nothing of NATS: prompts in, token ids + behaviour log-probs out. Sampling settings are per row,
+so requests with different settings can share one forward pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from shared.tokenizer import EOS_ID, PAD_ID
+
+Finish = Literal["stop", "length"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling settings of one row; temperature 0 means greedy."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class GenResult:
+    """One row's continuation: ids (the stop token included when finish is "stop") and their log-probs."""
+
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish: Finish = "length"
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = PAD_ID) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad prompts into ``input_ids`` and ``attention_mask`` of shape [B, max_len]."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        if len(p):
+            ids[i, width - len(p):] = torch.as_tensor(list(p), dtype=torch.long)
+            mask[i, width - len(p):] = 1
+    return ids, mask
+
+
+def behaviour_logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Log-probs of the distribution actually sampled from, per row.
+
+    Greedy rows (T=0) use log_softmax of the raw logits; others log_softmax(logits / T), restricted to the
+    top-p nucleus and renormalised when top_p < 1 (tokens outside the nucleus get -inf).
+    """
+    greedy = temperature <= 0
+    scale = torch.where(greedy, torch.ones_like(temperature), temperature)
+    logp = torch.log_softmax(logits / scale[:, None], dim=-1)
+    nucleus = (top_p < 1.0) & ~greedy
+    if bool(nucleus.any()):
+        sorted_logp, order = torch.sort(logp, dim=-1, descending=True)
+        probs = sorted_logp.exp()
+        # keep a token if the mass strictly before it is < top_p (the top token is always kept)
+        before = torch.cumsum(probs, dim=-1) - probs
+        keep_sorted = before < top_p[:, None]
+        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+        keep = keep | ~nucleus[:, None]
+        logp = torch.log_softmax(logp.masked_fill(~keep, float("-inf")), dim=-1)
+    return logp
+
+
+class TorchEngine:
+    """A persistent inference engine around one causal LM; weights are replaced in place on load."""
+
+    def __init__(self, model: torch.nn.Module, *, version: int = 0, seed: int = 0, max_batch: int = 64) -> None:
+        self.model = model.eval()
+        self.version = version
+        self.max_batch = max_batch
+        self.generator = torch.Generator().manual_seed(seed)
+        self.rows_generated = 0
+        self.tokens_generated = 0
+
+    def named_tensors(self) -> dict[str, torch.Tensor]:
+        """Every parameter by name: the destination of in-place weight loading."""
+        return dict(self.model.named_parameters())
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams]) -> list[GenResult]:
+        """Generate for every prompt (chunks of ``max_batch`` rows, one after the other)."""
+        if len(prompts) != len(params):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling settings")
+        out: list[GenResult] = []
+        for start in range(0, len(prompts), self.max_batch):
+            stop = start + self.max_batch
+            out.extend(self._generate_batch(prompts[start:stop], params[start:stop]))
+        return out
+
+    @torch.inference_mode()
+    def _generate_batch(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams]) -> list[GenResult]:
+        if not prompts:
+            return []
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        n = len(prompts)
+        ids, mask = left_pad(prompts)
+        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
+        budget = torch.tensor([p.max_new_tokens for p in params], dtype=torch.long)
+        greedy = temperature <= 0
+        # stop table: EOS plus each row's own stop ids
+        stop_table = torch.zeros((n, self._vocab_size()), dtype=torch.bool)
+        stop_table[:, EOS_ID] = True
+        for i, p in enumerate(params):
+            valid = [s for s in p.stop_ids if 0 <= s < stop_table.shape[1]]
+            if valid:
+                stop_table[i, valid] = True
+
+        results = [GenResult() for _ in range(n)]
+        done = torch.zeros(n, dtype=torch.bool)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        step_input, step_pos, past = ids, positions, None
+        for step in range(int(budget.max())):
+            out = self.model(input_ids=step_input, attention_mask=mask, position_ids=step_pos,
+                             past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            logits = out.logits[:, -1, :].float()
+            logp = behaviour_logprobs(logits, temperature, top_p)
+            sampled = torch.multinomial(logp.exp(), 1, generator=self.generator).squeeze(-1)
+            token = torch.where(greedy, logits.argmax(-1), sampled)
+            token_logp = logp.gather(-1, token[:, None]).squeeze(-1)
+
+            active = ~done
+            hit_stop = stop_table[torch.arange(n), token]
+            for i in torch.nonzero(active).flatten().tolist():
+                results[i].ids.append(int(token[i]))
+                results[i].logprobs.append(float(token_logp[i]))
+            finished_stop = active & hit_stop
+            finished_len = active & ~hit_stop & (budget <= step + 1)
+            for i in torch.nonzero(finished_stop).flatten().tolist():
+                results[i].finish = "stop"
+            done = done | finished_stop | finished_len
+            if bool(done.all()):
+                break
+            # finished rows keep decoding PAD (ignored) so the batch shape stays fixed
+            step_input = torch.where(done, torch.full_like(token, PAD_ID), token)[:, None]
+            step_pos = step_pos[:, -1:] + 1
+            mask = torch.cat([mask, torch.ones((n, 1), dtype=mask.dtype)], dim=-1)
+        self.rows_generated += n
+        self.tokens_generated += sum(len(r.ids) for r in results)
+        return results
+
+    def _vocab_size(self) -> int:
+        return int(self.model.get_output_embeddings().weight.shape[0])

@@ -1,0 +1,274 @@
+"""Rollouter service: answers GenRequests on the bus, obeys paramsync's pause/load/resume control."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import io
+import json
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import msgpack
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from services.rollouter.batcher import Batcher
+from services.rollouter.engine import SamplingParams, TorchEngine
+from shared.bus import kv_get_int
+from shared.codec import DecodeError, decode, encode
+from shared.modeling import build_model
+from shared.schemas import Array, GenOutput, GenRequest, GenResponse, RolloutControl, RolloutControlReply
+from shared.service import Service
+from shared.tokenizer import VOCAB_SIZE
+from shared.weights import load_into, unpack
+
+VERBS = ("pause", "load", "resume", "info")
+STOP_TIMEOUT_S = 20.0
+
+
+class BadRequest(ValueError):
+    """A GenRequest that decodes but cannot be served."""
+
+
+def request_prompts(req: GenRequest, vocab_size: int = VOCAB_SIZE) -> list[list[int]]:
+    """Validate a request's prompts (non-empty 1-d integer arrays of known token ids) into lists."""
+    if req.adapter is not None:
+        raise BadRequest(f"adapter {req.adapter!r} requested but this rollouter serves the base model only")
+    if not req.prompts:
+        raise BadRequest("request has no prompts")
+    out: list[list[int]] = []
+    for i, arr in enumerate(req.prompts):
+        if arr.dtype not in ("int32", "int64") or len(arr.shape) != 1:
+            raise BadRequest(f"prompts[{i}]: expected a 1-d int32/int64 array, got {arr.dtype} {arr.shape}")
+        ids = arr.tolist()
+        if not ids:
+            raise BadRequest(f"prompts[{i}] is empty: a prompt needs at least one token (BOS)")
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise BadRequest(f"prompts[{i}] has token ids outside [0, {vocab_size}): {bad[:5]}")
+        out.append(ids)
+    return out
+
+
+def load_weights(engine: TorchEngine, model: str, blob: memoryview, *, version: int | None,
+                 checksum: str | None) -> str:
+    """Load a packed weights object into the engine in place (worker thread); returns the checksum."""
+    header, body = unpack(blob)
+    if header.model != model:
+        raise ValueError(f"weights are for model {header.model!r}, this rollouter serves {model!r}")
+    if version is not None and header.version != version:
+        raise ValueError(f"weights object holds v{header.version}, control asked for v{version}")
+    if checksum is not None and header.checksum != checksum:
+        raise ValueError(f"weights header checksum {header.checksum} != announced {checksum}")
+    digest = load_into(engine.named_tensors(), header, body, verify=True)
+    engine.version = header.version
+    return digest
+
+
+class RollouterService(Service):
+    """One rollouter instance of one model: a persistent engine behind a dynamic batcher."""
+
+    name = "rollouter"
+    per_model = True
+
+    async def setup(self) -> None:
+        import torch
+
+        assert self.model is not None
+        rc = self.cfg.models[self.model].rollouter
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engine-{self.model}")
+        loop = asyncio.get_running_loop()
+        torch.set_num_threads(rc.threads)
+        net = await loop.run_in_executor(self._executor, build_model, self.cfg, self.model)
+        seed = int.from_bytes(hashlib.sha256(f"{self.cfg.run.seed}:{self.model}:{self.instance}".encode())
+                              .digest()[:4], "little")
+        self.engine = TorchEngine(net, seed=seed, max_batch=rc.max_batch)
+        self.batcher = Batcher(self.engine, self._executor, max_batch=rc.max_batch,
+                               window_s=rc.batch_window_ms / 1000.0, request_timeout_s=rc.request_timeout_s)
+        self.checksum: str | None = None
+        self._replies: set[asyncio.Task[None]] = set()
+        await self._catch_up()
+        self.spawn(self.batcher.run(), "batcher")
+        self._last_control = time.monotonic()
+        self.spawn(self._pause_watchdog(), "pause-watchdog")
+
+        for verb in VERBS:
+            await self.nc.subscribe(self.names.rollout_control(self.model, self.instance, verb),
+                                    cb=self._control_handler(verb))
+        self._gen_subs: list[Subscription] = [
+            await self.nc.subscribe(self.names.gen(self.model), queue="rollouter", cb=self._on_gen),
+            await self.nc.subscribe(self.names.gen_direct(self.model, self.instance), cb=self._on_gen),
+        ]
+        # Register last: paramsync only finds this instance once its control subjects answer.
+        await self.kv.put(self.names.rollouter_key(self.model, self.instance),
+                          json.dumps({"instance": self.instance, "started_at": self.started_at}).encode())
+
+    async def teardown(self) -> None:
+        assert self.model is not None
+        try:
+            await self.kv.delete(self.names.rollouter_key(self.model, self.instance))
+        except Exception as exc:  # the bucket may be gone with the server; stopping anyway
+            self.log.warning("could not deregister", error=str(exc))
+        for sub in self._gen_subs:
+            await sub.unsubscribe()
+        if not await self.batcher.flush(STOP_TIMEOUT_S):
+            failed = self.batcher.fail_queued(RuntimeError("rollouter is stopping"))
+            self.counters["failed_on_stop"] += failed
+        if self._replies:
+            await asyncio.wait(self._replies, timeout=5)
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def extra_metrics(self) -> dict[str, Any]:
+        if not hasattr(self, "batcher"):
+            return {}
+        return {"version": self.engine.version, **self.batcher.snapshot()}
+
+    # --- generation ----------------------------------------------------------------------
+    async def _on_gen(self, msg: Msg) -> None:
+        # Never await generation here: callbacks of one subscription run one after another.
+        try:
+            req = decode(GenRequest, msg.data)
+            prompts = request_prompts(req)
+        except (DecodeError, BadRequest) as exc:
+            reason = exc.reason if isinstance(exc, DecodeError) else str(exc)
+            await self._reject(msg, reason, request_id=_request_id(msg.data))
+            return
+        self.counters["requests"] += 1
+        params = SamplingParams(max_new_tokens=req.max_new_tokens, temperature=req.temperature,
+                                top_p=req.top_p, stop_ids=tuple(req.stop_ids))
+        fut = self.batcher.submit(prompts, params)
+        task = asyncio.create_task(self._answer(msg, req.request_id, fut))
+        self._replies.add(task)
+        task.add_done_callback(self._replies.discard)
+
+    async def _answer(self, msg: Msg, request_id: str, fut: asyncio.Future[Any]) -> None:
+        try:
+            version, results = await fut
+        except Exception as exc:  # expired in the queue, failed generation, stopping
+            self.counters["gen_errors"] += 1
+            self.log.warning("generation failed", request_id=request_id, error=f"{type(exc).__name__}: {exc}")
+            resp = GenResponse(request_id=request_id, instance=self.instance, version=self.engine.version,
+                               error=f"{type(exc).__name__}: {exc}")
+        else:
+            outputs = [GenOutput(ids=Array.of(r.ids, "int32"), logprobs=Array.of(r.logprobs, "float32"),
+                                 finish=r.finish) for r in results]
+            resp = GenResponse(request_id=request_id, outputs=outputs, version=version, instance=self.instance)
+        if msg.reply:
+            await msg.respond(encode(resp))
+
+    async def _reject(self, msg: Msg, reason: str, *, request_id: str = "") -> None:
+        await self.to_dlq(msg.subject, msg.data, reason)
+        if msg.reply:
+            resp = GenResponse(request_id=request_id, instance=self.instance, version=self.engine.version,
+                               error=f"rejected: {reason}")
+            await msg.respond(encode(resp))
+
+    # --- control -------------------------------------------------------------------------
+    def _control_handler(self, verb: str) -> Callable[[Msg], Awaitable[None]]:
+        async def handler(msg: Msg) -> None:
+            await self._on_control(msg, verb)
+
+        return handler
+
+    async def _on_control(self, msg: Msg, verb: str) -> None:
+        try:
+            ctl = decode(RolloutControl, msg.data)
+            if ctl.verb != verb:
+                raise DecodeError(f"control body says {ctl.verb!r} but was sent to the {verb!r} subject")
+        except DecodeError as exc:
+            await self.to_dlq(msg.subject, msg.data, exc.reason)
+            await self._control_reply(msg, ok=False, error=f"rejected: {exc.reason}")
+            return
+        self.counters[f"control_{verb}"] += 1
+        self._last_control = time.monotonic()
+        if verb == "pause":
+            self.batcher.pause()
+            drained = await self.batcher.drain(ctl.timeout_s)
+            await self._control_reply(msg, ok=drained, error=None if drained else
+                                      f"{self.batcher.in_flight} requests still in flight after {ctl.timeout_s}s")
+        elif verb == "resume":
+            self.batcher.resume()
+            await self._control_reply(msg, ok=True)
+        elif verb == "load":
+            await self._on_load(msg, ctl)
+        else:
+            await self._control_reply(msg, ok=True)
+
+    async def _pause_watchdog(self) -> None:
+        """Resume by itself when paused with no control message for a whole sync's worth of time.
+
+        A paramsync that dies between pause and resume must not leave this instance paused forever.
+        """
+        ps = self.cfg.paramsync
+        lease = 1.5 * (ps.pause_timeout_s + ps.load_timeout_s) + 1.0  # > paramsync's own waits
+        while True:
+            await asyncio.sleep(min(1.0, lease / 4))
+            if self.batcher.paused and time.monotonic() - self._last_control > lease:
+                self.batcher.resume()
+                self.counters["auto_resumes"] += 1
+                self.log.warning("paused without a controller; resumed by itself", lease_s=lease)
+
+    async def _on_load(self, msg: Msg, ctl: RolloutControl) -> None:
+        if not ctl.object_name:
+            await self._control_reply(msg, ok=False, error="load needs object_name")
+            return
+        t0 = time.perf_counter()
+        try:
+            digest = await asyncio.wait_for(
+                self._load_object(ctl.object_name, version=ctl.version, checksum=ctl.checksum), ctl.timeout_s)
+        except Exception as exc:  # missing object, timeout, checksum or shape mismatch
+            self.counters["load_failures"] += 1
+            self.log.warning("load failed", object=ctl.object_name, error=f"{type(exc).__name__}: {exc}")
+            await self._control_reply(msg, ok=False, error=f"{type(exc).__name__}: {exc}")
+            return
+        self.log.info("weights loaded", version=self.engine.version, seconds=round(time.perf_counter() - t0, 3))
+        await self._control_reply(msg, ok=True, checksum=digest)
+
+    async def _load_object(self, name: str, *, version: int | None, checksum: str | None) -> str:
+        assert self.model is not None
+        buf = io.BytesIO()
+        await self.obj.get(name, writeinto=buf)
+        blob = buf.getbuffer()
+        model = self.model
+        digest = await self.batcher.exclusive(
+            lambda: load_weights(self.engine, model, blob, version=version, checksum=checksum))
+        self.checksum = digest
+        self.counters["loads"] += 1
+        return digest
+
+    async def _control_reply(self, msg: Msg, *, ok: bool, checksum: str | None = None,
+                             error: str | None = None) -> None:
+        if msg.reply:
+            reply = RolloutControlReply(ok=ok, instance=self.instance, version=self.engine.version,
+                                        checksum=checksum if checksum is not None else self.checksum,
+                                        in_flight=self.batcher.in_flight, error=error)
+            await msg.respond(encode(reply))
+
+    async def _catch_up(self) -> None:
+        """Start on the served version if paramsync already moved the model past v0 (best effort)."""
+        assert self.model is not None
+        version = await kv_get_int(self.kv, self.names.version_key(self.model))
+        if version <= 0:
+            return
+        try:
+            await asyncio.wait_for(self._load_object(self.names.weights_object(self.model, version),
+                                                     version=version, checksum=None),
+                                   self.cfg.paramsync.load_timeout_s)
+            self.log.info("caught up with served weights", version=version)
+        except Exception as exc:  # missing object or a bad one: v0 still serves
+            self.counters["catch_up_failures"] += 1
+            self.log.warning("could not load served weights; starting from v0", version=version,
+                             error=f"{type(exc).__name__}: {exc}")
+
+
+def _request_id(data: bytes) -> str:
+    """Best-effort request id of a message that failed validation, for the error reply."""
+    try:
+        raw = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except Exception:  # not msgpack at all
+        return ""
+    rid = raw.get("request_id") if isinstance(raw, dict) else None
+    return rid if isinstance(rid, str) else ""

@@ -1,0 +1,204 @@
+"""The rollouter service against a real nats-server: generation, batching, DLQ, control verbs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import nats
+import pytest
+
+from services.rollouter.service import RollouterService
+from shared.codec import decode, encode
+from shared.config import ChorusConfig, load_config
+from shared.schemas import Array, GenRequest, GenResponse, RolloutControl, RolloutControlReply
+from shared.tokenizer import BOS_ID, ByteTokenizer
+
+MODEL = "m"
+
+
+def write_config(tmp_path: Path, run_id: str, window_ms: float = 50.0, extra: str = "") -> ChorusConfig:
+    p = tmp_path / "run.yaml"
+    p.write_text(
+        f"run: {{id: {run_id}, dir: {tmp_path / 'runs'}}}\n"
+        f"models: {{{MODEL}: {{rollouter: {{batch_window_ms: {window_ms}, max_batch: 16}}}}}}\n"
+        f"agents: {{solver: {{model: {MODEL}}}, verifier: {{model: {MODEL}}}}}\n"
+        "metrics_interval_s: 0.2\n" + extra
+    )
+    return load_config(p)
+
+
+async def start(svc: RollouterService) -> asyncio.Task[int]:
+    """Serve in this loop; return once the instance registered itself in KV."""
+    task = asyncio.create_task(svc.serve())
+    for _ in range(400):
+        if task.done():
+            raise AssertionError(f"service exited early with {task.result()}")
+        if getattr(svc, "kv", None) is not None and hasattr(svc, "_gen_subs"):
+            try:
+                await svc.kv.get(svc.names.rollouter_key(MODEL, svc.instance))
+                return task
+            except Exception:  # not registered yet
+                pass
+        await asyncio.sleep(0.05)
+    raise AssertionError("rollouter did not register")
+
+
+@pytest.fixture
+async def rollouter(nats_url: str, run_id: str, tmp_path: Path) -> AsyncIterator[RollouterService]:
+    svc = RollouterService(write_config(tmp_path, run_id), nats_url=nats_url, instance="0", model=MODEL)
+    task = await start(svc)
+    yield svc
+    svc.stop()
+    assert await asyncio.wait_for(task, 30) == 0
+
+
+def request(rid: str, texts: list[str], **kw: object) -> bytes:
+    tok = ByteTokenizer()
+    prompts = [Array.of(tok.encode(t), "int32") for t in texts]
+    return encode(GenRequest(request_id=rid, prompts=prompts, **kw))  # type: ignore[arg-type]
+
+
+async def test_gen_request_returns_one_output_per_prompt_with_version(rollouter: RollouterService,
+                                                                      nats_url: str) -> None:
+    nc = await nats.connect(nats_url)
+    try:
+        msg = await nc.request(rollouter.names.gen(MODEL), request("r1", ["1+2=", "hello"], max_new_tokens=5),
+                               timeout=20)
+        resp = decode(GenResponse, msg.data)
+        assert resp.error is None and resp.request_id == "r1"
+        assert resp.version == 0 and resp.instance == "0"
+        assert len(resp.outputs) == 2
+        for out in resp.outputs:
+            assert 1 <= len(out.ids) <= 5 and out.logprobs.shape == out.ids.shape
+            assert out.logprobs.dtype == "float32" and all(lp <= 0 for lp in out.logprobs.tolist())
+        # the direct subject of the instance answers too
+        msg = await nc.request(rollouter.names.gen_direct(MODEL, "0"), request("r2", ["x"], max_new_tokens=2),
+                               timeout=20)
+        assert decode(GenResponse, msg.data).request_id == "r2"
+    finally:
+        await nc.close()
+
+
+async def test_concurrent_requests_are_batched_together(rollouter: RollouterService, nats_url: str) -> None:
+    nc = await nats.connect(nats_url)
+    try:
+        reqs = [nc.request(rollouter.names.gen(MODEL), request(f"c{i}", [f"{i}+1="], max_new_tokens=3,
+                                                                 temperature=0.0), timeout=20)
+                for i in range(6)]
+        replies = [decode(GenResponse, m.data) for m in await asyncio.gather(*reqs)]
+        assert sorted(r.request_id for r in replies) == [f"c{i}" for i in range(6)]
+        status = await nc.request(f"{rollouter.names.control('rollouter', 'status')}.{MODEL}.0", b"", timeout=5)
+        metrics = json.loads(status.data)
+        assert metrics["max_requests_per_batch"] > 1
+        assert metrics["batches"] < 6 and metrics["rows_generated"] == 6
+    finally:
+        await nc.close()
+
+
+async def test_malformed_request_goes_to_dlq_and_service_keeps_answering(rollouter: RollouterService,
+                                                                         nats_url: str) -> None:
+    nc = await nats.connect(nats_url)
+    try:
+        dlq = await nc.subscribe(rollouter.names.dlq("rollouter"))
+        msg = await nc.request(rollouter.names.gen(MODEL), b"\x93\x01\x02", timeout=10)
+        assert decode(GenResponse, msg.data).error
+        dead = await dlq.next_msg(timeout=5)
+        assert dead.data == b"\x93\x01\x02" and dead.headers and dead.headers["Chorus-Reason"]
+        # token ids outside the vocabulary: decodes, but is rejected with a reason
+        bad = encode(GenRequest(request_id="bad", prompts=[Array.of([BOS_ID, 999], "int32")], max_new_tokens=2))
+        msg = await nc.request(rollouter.names.gen(MODEL), bad, timeout=10)
+        resp = decode(GenResponse, msg.data)
+        assert resp.request_id == "bad" and resp.error and "outside" in resp.error
+        assert "outside" in (await dlq.next_msg(timeout=5)).headers["Chorus-Reason"]
+        msg = await nc.request(rollouter.names.gen(MODEL), request("ok", ["2+2="], max_new_tokens=2), timeout=20)
+        ok = decode(GenResponse, msg.data)
+        assert ok.error is None and len(ok.outputs) == 1
+        assert rollouter.counters["dlq"] == 2
+    finally:
+        await nc.close()
+
+
+async def test_requests_sent_while_paused_wait_and_are_served_after_resume(rollouter: RollouterService,
+                                                                           nats_url: str) -> None:
+    nc = await nats.connect(nats_url)
+
+    async def control(verb: str) -> RolloutControlReply:
+        m = await nc.request(rollouter.names.rollout_control(MODEL, "0", verb),
+                             encode(RolloutControl(verb=verb, timeout_s=5)), timeout=10)  # type: ignore[arg-type]
+        return decode(RolloutControlReply, m.data)
+
+    try:
+        assert (await control("pause")).ok
+        pending = asyncio.create_task(nc.request(rollouter.names.gen(MODEL), request("p", ["hi"], max_new_tokens=2),
+                                                 timeout=20))
+        await asyncio.sleep(0.5)
+        assert not pending.done() and rollouter.batcher.queued == 1
+        info = await control("info")
+        assert info.ok and info.in_flight == 0
+        assert (await control("resume")).ok
+        resp = decode(GenResponse, (await pending).data)
+        assert resp.error is None and resp.request_id == "p"
+    finally:
+        await nc.close()
+
+
+async def test_graceful_stop_deregisters_the_instance(nats_url: str, run_id: str, tmp_path: Path) -> None:
+    svc = RollouterService(write_config(tmp_path, run_id), nats_url=nats_url, instance="3", model=MODEL)
+    task = await start(svc)
+    nc = await nats.connect(nats_url)
+    try:
+        kv = await nc.jetstream().key_value(svc.names.kv_bucket)
+        entry = await kv.get(svc.names.rollouter_key(MODEL, "3"))
+        assert json.loads(entry.value)["instance"] == "3"
+        svc.stop()
+        assert await asyncio.wait_for(task, 30) == 0
+        with pytest.raises(Exception):  # noqa: B017 - deleted key: KeyDeletedError or KeyNotFoundError
+            await kv.get(svc.names.rollouter_key(MODEL, "3"))
+    finally:
+        await nc.close()
+
+
+async def test_pause_waits_for_in_flight_generation_to_finish(rollouter: RollouterService, nats_url: str) -> None:
+    nc = await nats.connect(nats_url)
+    try:
+        gen = asyncio.create_task(nc.request(rollouter.names.gen(MODEL), request("long", ["a"] * 8, max_new_tokens=150),
+                                             timeout=30))
+        for _ in range(200):
+            if rollouter.batcher.in_flight:
+                break
+            await asyncio.sleep(0.01)
+        assert rollouter.batcher.in_flight == 1 and rollouter.batcher.stats.requests == 0
+        m = await nc.request(rollouter.names.rollout_control(MODEL, "0", "pause"),
+                             encode(RolloutControl(verb="pause", timeout_s=20)), timeout=25)
+        reply = decode(RolloutControlReply, m.data)
+        # the pause was answered only after the generation in flight had finished
+        assert reply.ok and reply.in_flight == 0 and rollouter.batcher.stats.requests == 1
+        resp = decode(GenResponse, (await gen).data)
+        assert resp.error is None and len(resp.outputs) == 8
+        assert rollouter.batcher.paused
+    finally:
+        await nc.close()
+
+
+async def test_a_pause_without_a_controller_expires_and_the_instance_resumes(nats_url: str, run_id: str,
+                                                                              tmp_path: Path) -> None:
+    cfg = write_config(tmp_path, run_id, extra="paramsync: {pause_timeout_s: 0.2, load_timeout_s: 0.2}\n")
+    svc = RollouterService(cfg, nats_url=nats_url, instance="0", model=MODEL)
+    task = await start(svc)
+    nc = await nats.connect(nats_url)
+    try:
+        m = await nc.request(svc.names.rollout_control(MODEL, "0", "pause"),
+                             encode(RolloutControl(verb="pause", timeout_s=1)), timeout=5)
+        assert decode(RolloutControlReply, m.data).ok and svc.batcher.paused
+        for _ in range(60):
+            if not svc.batcher.paused:
+                break
+            await asyncio.sleep(0.1)
+        assert not svc.batcher.paused and svc.counters["auto_resumes"] == 1
+    finally:
+        await nc.close()
+        svc.stop()
+        assert await asyncio.wait_for(task, 30) == 0
