@@ -1,0 +1,163 @@
+"""Paramsync service: announce -> pause rollouters -> load -> ack -> set served version -> resume -> done."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
+
+from services.paramsync.protocol import AnnounceQueue, InstanceResult, decide, instances_from_keys
+from shared.bus import kv_put_int_max
+from shared.codec import DecodeError, decode, encode
+from shared.schemas import RolloutControl, RolloutControlReply, SyncDone, WeightsAnnounce
+from shared.service import Service
+
+LIST_TIMEOUT_S = 5.0
+RESUME_TIMEOUT_S = 5.0
+# Extra time the request waits beyond the timeout the rollouter itself is given.
+REPLY_MARGIN_S = 2.0
+
+
+class ControlFailed(RuntimeError):
+    def __init__(self, reason: str, *, reachable: bool = True) -> None:
+        super().__init__(reason)
+        self.reachable = reachable
+
+
+class ParamSyncService(Service):
+    """Keeps one model's rollouters on the trainer's newest weights, one sync at a time."""
+
+    name = "paramsync"
+    per_model = True
+
+    async def setup(self) -> None:
+        assert self.model is not None
+        self.queue = AnnounceQueue()
+        self._wake = asyncio.Event()
+        self.syncing: int | None = None
+        await self.nc.subscribe(self.names.sync_announce(self.model), cb=self._on_announce)
+        self.spawn(self._sync_loop(), "sync")
+
+    def extra_metrics(self) -> dict[str, Any]:
+        if not hasattr(self, "queue"):
+            return {}
+        return {"synced_version": self.queue.last_synced, "syncing": self.syncing,
+                "pending": self.queue.pending.version if self.queue.pending else None}
+
+    async def _on_announce(self, msg: Msg) -> None:
+        try:
+            ann = decode(WeightsAnnounce, msg.data)
+            if ann.model != self.model:
+                raise DecodeError(f"announce for model {ann.model!r} on the subject of {self.model!r}")
+        except DecodeError as exc:
+            await self.to_dlq(msg.subject, msg.data, exc.reason)
+            return
+        self.counters["announces"] += 1
+        before = self.queue.coalesced
+        if self.queue.offer(ann):
+            self._wake.set()
+        else:
+            self.counters["ignored_announces"] = self.queue.ignored
+        self.counters["coalesced"] += self.queue.coalesced - before
+
+    async def _sync_loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            ann = self.queue.take()
+            if ann is None:
+                continue
+            self.syncing = ann.version
+            try:
+                await self.sync(ann)
+            except Exception as exc:  # the broker hiccuped; the next announce retries from scratch
+                self.counters["sync_errors"] += 1
+                self.log.error("sync failed", version=ann.version, error=f"{type(exc).__name__}: {exc}")
+            finally:
+                self.syncing = None
+
+    async def sync(self, ann: WeightsAnnounce) -> SyncDone:
+        """Run the whole protocol for one announce; failures are reported in SyncDone, never raised."""
+        assert self.model is not None
+        t0 = time.perf_counter()
+        instances = await self._live_instances()
+        results = await asyncio.gather(*(self._pause_and_load(i, ann) for i in instances))
+        outcome = decide(results)
+        try:
+            if outcome.commit:
+                await kv_put_int_max(self.kv, self.names.version_key(self.model), ann.version)
+                self.queue.done(ann.version)
+        finally:
+            # Resume everyone reachable, failed ones too: a failed load leaves the old weights serving.
+            await asyncio.gather(*(self._resume(r.instance) for r in results if r.reachable))
+        done = SyncDone(model=self.model, version=ann.version, loaded=outcome.loaded, failed=outcome.failed,
+                        seconds=round(time.perf_counter() - t0, 4))
+        await self.nc.publish(self.names.sync_done(self.model), encode(done))
+        self.counters["syncs"] += 1
+        self.counters["failed_instances"] += len(outcome.failed)
+        if not outcome.commit:
+            self.counters["uncommitted_syncs"] += 1
+        self.log.info("sync done", version=ann.version, loaded=outcome.loaded, failed=outcome.failed,
+                      committed=outcome.commit, seconds=done.seconds)
+        return done
+
+    async def _live_instances(self) -> list[str]:
+        assert self.model is not None
+        prefix = self.names.rollouter_prefix(self.model)
+        keys: list[str] = []
+        watcher = await self.kv.watch(f"{prefix}*", ignore_deletes=True, meta_only=True)
+        try:
+            while True:
+                entry = await watcher.updates(timeout=LIST_TIMEOUT_S)
+                if entry is None:  # end of the current snapshot
+                    break
+                keys.append(entry.key)
+        except (NatsTimeoutError, TimeoutError):
+            self.counters["list_timeouts"] += 1
+        finally:
+            await watcher.stop()
+        return instances_from_keys(keys, prefix)
+
+    async def _pause_and_load(self, instance: str, ann: WeightsAnnounce) -> InstanceResult:
+        sync_cfg = self.cfg.paramsync
+        try:
+            await self._control(instance, RolloutControl(verb="pause", version=ann.version,
+                                                         timeout_s=sync_cfg.pause_timeout_s))
+            reply = await self._control(instance, RolloutControl(
+                verb="load", version=ann.version, object_name=ann.object_name, checksum=ann.checksum,
+                timeout_s=sync_cfg.load_timeout_s))
+        except ControlFailed as exc:
+            return InstanceResult(instance, loaded=False, reachable=exc.reachable, error=str(exc))
+        if reply.checksum != ann.checksum or reply.version != ann.version:
+            return InstanceResult(instance, loaded=False, error=(
+                f"acked v{reply.version} checksum {reply.checksum}, expected v{ann.version} {ann.checksum}"))
+        return InstanceResult(instance, loaded=True)
+
+    async def _resume(self, instance: str) -> None:
+        try:
+            await self._control(instance, RolloutControl(verb="resume", timeout_s=RESUME_TIMEOUT_S))
+        except ControlFailed as exc:
+            self.counters["resume_failures"] += 1
+            self.log.warning("resume failed", instance=instance, error=str(exc))
+
+    async def _control(self, instance: str, ctl: RolloutControl) -> RolloutControlReply:
+        """One control request/reply; any failure becomes :class:`ControlFailed` with a reason."""
+        assert self.model is not None
+        subject = self.names.rollout_control(self.model, instance, ctl.verb)
+        try:
+            msg = await self.nc.request(subject, encode(ctl), timeout=ctl.timeout_s + REPLY_MARGIN_S)
+        except NoRespondersError as exc:
+            raise ControlFailed(f"{ctl.verb}: no responders (instance not running)", reachable=False) from exc
+        except (NatsTimeoutError, TimeoutError) as exc:
+            raise ControlFailed(f"{ctl.verb}: no reply within {ctl.timeout_s + REPLY_MARGIN_S}s") from exc
+        try:
+            reply = decode(RolloutControlReply, msg.data)
+        except DecodeError as exc:
+            raise ControlFailed(f"{ctl.verb}: bad reply: {exc.reason}") from exc
+        if not reply.ok:
+            raise ControlFailed(f"{ctl.verb}: {reply.error or 'refused'}")
+        return reply

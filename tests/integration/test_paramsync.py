@@ -1,0 +1,173 @@
+"""Paramsync end to end against a real nats-server: announce -> pause -> load -> version -> resume -> done."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import nats
+import pytest
+import torch
+from nats.aio.client import Client as NATS
+
+from services.paramsync.service import ParamSyncService
+from services.rollouter.service import RollouterService
+from shared.bus import kv_get_int
+from shared.codec import decode, encode
+from shared.config import ChorusConfig, load_config
+from shared.modeling import build_model
+from shared.schemas import Array, GenRequest, GenResponse, SyncDone, WeightsAnnounce
+from shared.service import Service
+from shared.subjects import Names
+from shared.tokenizer import BOS_ID
+from shared.weights import flatten, pack
+
+MODEL = "m"
+
+
+def write_config(tmp_path: Path, run_id: str) -> ChorusConfig:
+    p = tmp_path / "run.yaml"
+    p.write_text(
+        f"run: {{id: {run_id}, dir: {tmp_path / 'runs'}}}\n"
+        f"models: {{{MODEL}: {{rollouter: {{batch_window_ms: 2}}}}}}\n"
+        f"agents: {{solver: {{model: {MODEL}}}, verifier: {{model: {MODEL}}}}}\n"
+        "paramsync: {pause_timeout_s: 3, load_timeout_s: 10}\n"
+        "metrics_interval_s: 0.5\n"
+    )
+    return load_config(p)
+
+
+async def serve(svc: Service, ready: str) -> asyncio.Task[int]:
+    task = asyncio.create_task(svc.serve())
+    for _ in range(400):
+        if task.done():
+            raise AssertionError(f"{svc.name} exited early with {task.result()}")
+        if hasattr(svc, ready):
+            if isinstance(svc, RollouterService):
+                try:
+                    await svc.kv.get(svc.names.rollouter_key(MODEL, svc.instance))
+                    return task
+                except Exception:  # not registered yet
+                    pass
+            else:
+                return task
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{svc.name} did not start")
+
+
+@dataclass
+class Setup:
+    cfg: ChorusConfig
+    names: Names
+    nc: NATS
+    rollouters: list[RollouterService]
+    paramsync: ParamSyncService
+
+
+@pytest.fixture
+async def setup(nats_url: str, run_id: str, tmp_path: Path) -> AsyncIterator[Setup]:
+    cfg = write_config(tmp_path, run_id)
+    rollouters = [RollouterService(cfg, nats_url=nats_url, instance=str(i), model=MODEL) for i in range(2)]
+    ps = ParamSyncService(cfg, nats_url=nats_url, model=MODEL)
+    tasks = [await serve(r, "_gen_subs") for r in rollouters] + [await serve(ps, "queue")]
+    nc = await nats.connect(nats_url)
+    yield Setup(cfg, Names(run_id), nc, rollouters, ps)
+    await nc.close()
+    for svc in [*rollouters, ps]:
+        svc.stop()
+    assert await asyncio.wait_for(asyncio.gather(*tasks), 30) == [0, 0, 0]
+
+
+async def publish_weights(s: Setup, version: int, delta: float, *, bad_checksum: bool = False) -> dict[str, torch.Tensor]:
+    """Put v``version`` = initial weights + delta into the object store and announce it."""
+    net = build_model(s.cfg, MODEL)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(delta)
+    named = {k: v.detach().clone() for k, v in net.named_parameters()}
+    header, buf = flatten(MODEL, version, named)
+    obj = await s.nc.jetstream().object_store(s.names.obj_bucket)
+    await obj.put(s.names.weights_object(MODEL, version), pack(header, buf))
+    ann = WeightsAnnounce(model=MODEL, version=version, object_name=s.names.weights_object(MODEL, version),
+                          checksum="0" * 64 if bad_checksum else header.checksum, nbytes=header.nbytes)
+    await s.nc.publish(s.names.sync_announce(MODEL), encode(ann))
+    return named
+
+
+async def generate(s: Setup) -> GenResponse:
+    req = GenRequest(request_id="g", prompts=[Array.of([BOS_ID, 49, 43, 49, 61], "int32")], max_new_tokens=3)
+    msg = await s.nc.request(s.names.gen(MODEL), encode(req), timeout=20)
+    return decode(GenResponse, msg.data)
+
+
+async def test_announced_weights_are_loaded_bit_for_bit_and_version_is_served(setup: Setup) -> None:
+    s = setup
+    done_sub = await s.nc.subscribe(s.names.sync_done(MODEL))
+    expected = await publish_weights(s, version=1, delta=0.01)
+    done = decode(SyncDone, (await done_sub.next_msg(timeout=30)).data)
+    assert done.version == 1 and done.loaded == ["0", "1"] and done.failed == {}
+    for r in s.rollouters:
+        got = r.engine.named_tensors()
+        assert set(got) == set(expected)
+        assert all(torch.equal(got[k], expected[k]) for k in expected)
+        assert r.engine.version == 1 and not r.batcher.paused
+    kv = await s.nc.jetstream().key_value(s.names.kv_bucket)
+    assert await kv_get_int(kv, s.names.version_key(MODEL)) == 1
+    resp = await generate(s)
+    assert resp.error is None and resp.version == 1
+    assert s.paramsync.counters["syncs"] == 1
+
+
+async def test_checksum_mismatch_is_reported_and_does_not_move_the_version(setup: Setup) -> None:
+    s = setup
+    done_sub = await s.nc.subscribe(s.names.sync_done(MODEL))
+    await publish_weights(s, version=2, delta=0.02, bad_checksum=True)
+    done = decode(SyncDone, (await done_sub.next_msg(timeout=30)).data)
+    assert done.loaded == [] and set(done.failed) == {"0", "1"}
+    assert all("checksum" in reason for reason in done.failed.values())
+    kv = await s.nc.jetstream().key_value(s.names.kv_bucket)
+    assert await kv_get_int(kv, s.names.version_key(MODEL)) == 0
+    # failed instances were resumed and still serve the old weights
+    resp = await generate(s)
+    assert resp.error is None and resp.version == 0
+    assert s.paramsync.counters["failed_instances"] == 2
+
+
+async def test_a_dead_instance_is_reported_without_blocking_the_others(setup: Setup) -> None:
+    s = setup
+    kv = await s.nc.jetstream().key_value(s.names.kv_bucket)
+    await kv.put(s.names.rollouter_key(MODEL, "ghost"), b'{"instance":"ghost","started_at":0}')
+    done_sub = await s.nc.subscribe(s.names.sync_done(MODEL))
+    await publish_weights(s, version=3, delta=-0.01)
+    done = decode(SyncDone, (await done_sub.next_msg(timeout=30)).data)
+    assert done.loaded == ["0", "1"] and list(done.failed) == ["ghost"]
+    assert "no responders" in done.failed["ghost"]
+    assert await kv_get_int(kv, s.names.version_key(MODEL)) == 3
+    assert (await generate(s)).version == 3
+
+
+async def test_a_malformed_announce_goes_to_dlq(setup: Setup) -> None:
+    s = setup
+    dlq = await s.nc.subscribe(s.names.dlq("paramsync"))
+    await s.nc.publish(s.names.sync_announce(MODEL), b"\xc1garbage")
+    dead = await dlq.next_msg(timeout=5)
+    assert dead.headers and dead.headers["Chorus-Reason"]
+    assert s.paramsync.counters["syncs"] == 0
+
+
+async def test_a_rollouter_started_later_catches_up_with_the_served_version(setup: Setup, nats_url: str) -> None:
+    s = setup
+    done_sub = await s.nc.subscribe(s.names.sync_done(MODEL))
+    expected = await publish_weights(s, version=4, delta=0.03)
+    assert decode(SyncDone, (await done_sub.next_msg(timeout=30)).data).version == 4
+    late = RollouterService(s.cfg, nats_url=nats_url, instance="late", model=MODEL)
+    task = await serve(late, "_gen_subs")
+    try:
+        assert late.engine.version == 4
+        got = late.engine.named_tensors()
+        assert all(torch.equal(got[k], expected[k]) for k in expected)
+    finally:
+        late.stop()
+        assert await asyncio.wait_for(task, 30) == 0
