@@ -1,0 +1,236 @@
+"""The trainer service against a real nats-server, fed hand-built micro-batches."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import nats
+import numpy as np
+import pytest
+
+from services.trainer.service import TrainerService
+from shared.bus import kv_get_int
+from shared.codec import decode, encode
+from shared.config import ChorusConfig, load_config
+from shared.schemas import Array, MicroBatch, Sample, WeightsAnnounce
+from shared.subjects import Names
+from shared.tokenizer import BOS_ID, EOS_ID
+from shared.weights import checksum, unpack
+
+MODEL = "m"
+
+
+def write_cfg(tmp_path: Path, run_id: str, **train: Any) -> ChorusConfig:
+    settings = {"global_batch": 8, "micro_batch": 4, "max_staleness": 0, "max_versions": 3,
+                "checkpoint_every": 2, "ack_wait_s": 5, **train}
+    p = tmp_path / "run.yaml"
+    p.write_text(
+        f"run: {{id: {run_id}, dir: {tmp_path / 'runs'}}}\n"
+        "models: {m: {arch: {hidden_size: 32, num_layers: 1, num_heads: 2, intermediate_size: 64, max_position: 64},"
+        " optim: {lr: 0.01}}}\n"
+        "agents: {solver: {model: m}, verifier: {model: m}}\n"
+        "workflow: {group_size: 4}\n"
+        f"train: {json.dumps(settings)}\n"
+        "metrics_interval_s: 0.2\n"
+    )
+    return load_config(p)
+
+
+def group(run_id: str, key: str, version: int, agent: str = "solver") -> list[Sample]:
+    """A complete GRPO group of 4 with different rewards, so advantages are non-zero."""
+    rng = np.random.default_rng(abs(hash(key)) % 2**32)
+    out = []
+    for i in range(4):
+        resp = [*rng.integers(48, 58, 3).tolist(), EOS_ID]
+        out.append(Sample(
+            run=run_id, episode=key, sample_id=f"{key}_0_{i}", env_idx=0, rollout_idx=i, agent=agent, model=MODEL,
+            turn=0, prompt_ids=Array.of([BOS_ID, 50, 43, 50, 61], "int32"), response_ids=Array.of(resp, "int32"),
+            behavior_logprobs=Array.of((-rng.random(4) * 5 - 0.1).tolist(), "float32"), reward=float(i % 2 + i / 10),
+            group_key=f"{key}/{agent}/0", group_size=4, version=version,
+        ))
+    return out
+
+
+async def publish_batch(js: Any, names: Names, run_id: str, key: str, version: int, agent: str = "solver") -> None:
+    mb = MicroBatch(batch_id=key, model=MODEL, samples=group(run_id, key, version, agent))
+    await js.publish(names.ready(MODEL), encode(mb), headers={"Nats-Msg-Id": key})
+
+
+async def wait_until(cond: Callable[[], Any], timeout: float = 20.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        result = cond()
+        if asyncio.iscoroutine(result):
+            result = await result
+        if result:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+async def fetch_weights(js: Any, names: Names, ann: WeightsAnnounce) -> bytes:
+    obj = await js.object_store(names.obj_bucket)
+    buf = io.BytesIO()
+    await obj.get(ann.object_name, writeinto=buf)
+    header, body = unpack(buf.getvalue())
+    assert header.version == ann.version and header.model == MODEL
+    assert checksum(body) == header.checksum == ann.checksum
+    return bytes(body)
+
+
+class Watch:
+    """Collects announces, trainer events and DLQ entries of a run."""
+
+    def __init__(self) -> None:
+        self.announces: list[WeightsAnnounce] = []
+        self.events: list[dict[str, Any]] = []
+        self.dlq: list[Any] = []
+
+    def kinds(self, kind: str) -> list[dict[str, Any]]:
+        return [e for e in self.events if e["kind"] == kind]
+
+    async def attach(self, nc: Any, names: Names) -> None:
+        async def on_announce(msg: Any) -> None:
+            self.announces.append(decode(WeightsAnnounce, msg.data))
+
+        async def on_event(msg: Any) -> None:
+            self.events.append(json.loads(msg.data))
+
+        async def on_dlq(msg: Any) -> None:
+            self.dlq.append(msg)
+
+        await nc.subscribe(names.sync_announce(MODEL), cb=on_announce)
+        await nc.subscribe(names.events("trainer"), cb=on_event)
+        await nc.subscribe(names.dlq("trainer"), cb=on_dlq)
+        await nc.flush()
+
+
+async def start(cfg: ChorusConfig, nats_url: str) -> tuple[TrainerService, asyncio.Task[int]]:
+    svc = TrainerService(cfg, nats_url=nats_url, model=MODEL)
+    return svc, asyncio.create_task(svc.serve())
+
+
+async def test_trainer_steps_publishes_weights_drops_stale_and_rejects_malformed(nats_url, run_id, tmp_path):
+    cfg = write_cfg(tmp_path, run_id)
+    names = Names(run_id)
+    nc = await nats.connect(nats_url)
+    watch = Watch()
+    await watch.attach(nc, names)
+    svc, task = await start(cfg, nats_url)
+    try:
+        await wait_until(lambda: watch.announces, what="the v0 announce")
+        assert watch.announces[0].version == 0
+        js = nc.jetstream()
+        v0 = await fetch_weights(js, names, watch.announces[0])
+        kv = await js.key_value(names.kv_bucket)
+        assert await kv_get_int(kv, names.trained_key(MODEL), -1) == 0
+
+        # Garbage first: it goes to the DLQ with a reason, and training goes on behind it.
+        await js.publish(names.ready(MODEL), b"\xc1 not a micro-batch", headers={"Nats-Msg-Id": "junk"})
+        await publish_batch(js, names, run_id, "a", version=0)
+        await publish_batch(js, names, run_id, "b", version=0, agent="verifier")
+        await wait_until(lambda: kv_get_int(kv, names.trained_key(MODEL)), what="trained.m >= 1")
+        assert watch.dlq and watch.dlq[0].headers["Chorus-Reason"].startswith("not msgpack")
+        assert svc.counters["dlq"] == 1
+
+        await wait_until(lambda: [a for a in watch.announces if a.version == 1], what="the v1 announce")
+        v1 = await fetch_weights(js, names, watch.announces[-1])
+        assert v1 != v0
+
+        # Trainer is at v1 with max_staleness 0: version-0 samples are stale; already-trained ids are repeats.
+        await publish_batch(js, names, run_id, "c", version=0)
+        await wait_until(lambda: watch.kinds("drop"), what="a drop event")
+        drop = watch.kinds("drop")[0]
+        assert drop["reason"].startswith("staleness")
+        assert drop["count"] == 4 and sorted(drop["sample_ids"]) == [f"c_0_{i}" for i in range(4)]
+        mb = MicroBatch(batch_id="a-again", model=MODEL, samples=group(run_id, "a", version=1))
+        await js.publish(names.ready(MODEL), encode(mb), headers={"Nats-Msg-Id": "a-again"})
+        await wait_until(lambda: svc.counters["duplicates"] == 4, what="duplicates counted")
+        assert svc.counters["dropped_stale"] == 4
+
+        # One broken sample goes to the DLQ on its own; its group mates still train.
+        broken = group(run_id, "x", version=1)
+        broken[0] = broken[0].model_copy(update={"behavior_logprobs": Array.of([-1.0], "float32")})
+        mb = MicroBatch(batch_id="x", model=MODEL, samples=broken)
+        await js.publish(names.ready(MODEL), encode(mb), headers={"Nats-Msg-Id": "x"})
+        await wait_until(lambda: len(watch.dlq) == 2, what="the broken sample in the DLQ")
+        assert "x_0_0" in watch.dlq[1].headers["Chorus-Reason"]
+        assert decode(Sample, watch.dlq[1].data).sample_id == "x_0_0"
+        assert svc.counters["dropped_invalid"] == 1
+        for key in ("d", "e"):
+            await publish_batch(js, names, run_id, key, version=1)
+        for key in ("f", "g"):
+            await publish_batch(js, names, run_id, key, version=2)
+        await wait_until(lambda: watch.kinds("done"), what="the done event")
+        assert watch.kinds("done")[0]["version"] == 3
+        assert await kv_get_int(kv, names.trained_key(MODEL)) == 3
+
+        lines = [json.loads(x) for x in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert [r["version"] for r in lines] == [1, 2, 3]
+        first = lines[0]
+        for field in ("model", "version", "reward_mean", "reward_std", "samples", "staleness_mean", "staleness_max",
+                      "dropped_stale", "step_seconds", "loss", "agent_reward", "sample_ids"):
+            assert field in first, field
+        assert first["samples"] == 8 and first["staleness_max"] == 0
+        assert sorted(first["sample_ids"]) == sorted([f"a_0_{i}" for i in range(4)] + [f"b_0_{i}" for i in range(4)])
+        assert set(first["agent_reward"]) == {"solver", "verifier"}
+        assert first["reward_mean"] == pytest.approx(np.mean([0.0, 1.1, 0.2, 1.3]))
+        assert [r["dropped_stale"] for r in lines] == [0, 4, 4]
+        assert [r["samples"] for r in lines] == [8, 11, 8]
+        assert "x_0_0" not in lines[1]["sample_ids"] and "x_0_1" in lines[1]["sample_ids"]
+        steps = watch.kinds("step")
+        assert [s["version"] for s in steps] == [1, 2, 3] and steps[1]["sample_ids"] == lines[1]["sample_ids"]
+        assert (cfg.run_dir / "checkpoints" / MODEL / "v2.pt").is_file()
+        assert not (cfg.run_dir / "checkpoints" / MODEL / "v3.pt").exists()
+
+        # At max_versions the trainer stays up but takes nothing more.
+        await publish_batch(js, names, run_id, "h", version=3)
+        await asyncio.sleep(1.5)
+        assert await kv_get_int(kv, names.trained_key(MODEL)) == 3
+        info = await js.stream_info(names.ready_stream(MODEL))
+        assert info.state.messages == 1
+        assert not task.done()
+    finally:
+        svc.stop()
+        code = await asyncio.wait_for(task, 30)
+        await nc.close()
+    assert code == 0
+
+
+async def test_trainer_restarts_from_its_newest_checkpoint(nats_url, run_id, tmp_path):
+    cfg = write_cfg(tmp_path, run_id, global_batch=4, max_versions=2, checkpoint_every=1)
+    names = Names(run_id)
+    nc = await nats.connect(nats_url)
+    js = nc.jetstream()
+    watch = Watch()
+    await watch.attach(nc, names)
+    svc, task = await start(cfg, nats_url)
+    try:
+        await wait_until(lambda: watch.announces, what="the v0 announce")
+        await publish_batch(js, names, run_id, "a", version=0)
+        await wait_until(lambda: [a for a in watch.announces if a.version == 1], what="the v1 announce")
+        trained_v1 = await fetch_weights(js, names, watch.announces[-1])
+    finally:
+        svc.stop()
+        assert await asyncio.wait_for(task, 30) == 0
+    assert (cfg.run_dir / "checkpoints" / MODEL / "v1.pt").is_file()
+
+    watch.announces.clear()
+    svc, task = await start(cfg, nats_url)
+    try:
+        await wait_until(lambda: watch.announces, what="the announce after restart")
+        assert watch.announces[0].version == 1
+        assert await fetch_weights(js, names, watch.announces[0]) == trained_v1
+        await publish_batch(js, names, run_id, "b", version=1)
+        await wait_until(lambda: watch.kinds("done"), what="the done event")
+        assert watch.kinds("done")[0]["version"] == 2
+    finally:
+        svc.stop()
+        assert await asyncio.wait_for(task, 30) == 0
+        await nc.close()
