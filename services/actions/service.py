@@ -1,0 +1,98 @@
+"""The actions service: ActionRequest -> ActionResult over NATS, every payload run in a worker subprocess."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from nats.aio.msg import Msg
+
+from services.actions.actions import REGISTRY
+from services.actions.pool import WorkerPool
+from shared.codec import DecodeError, decode, encode
+from shared.schemas import ActionRequest, ActionResult
+from shared.service import Service
+
+QUEUE_GROUP = "actions"
+
+
+class ActionsService(Service):
+    """Request/reply on ``actions.submit`` (queue group ``actions``), FCFS over ``actions.cores`` workers."""
+
+    name = "actions"
+
+    async def setup(self) -> None:
+        acfg = self.cfg.actions
+        self.pool = WorkerPool(acfg.cores, acfg.memory_mb)
+        await self.pool.start()
+        self._inflight: set[asyncio.Task[None]] = set()
+        self._sub = await self.nc.subscribe(
+            self.names.actions_submit(), queue=QUEUE_GROUP, cb=self._on_request, pending_msgs_limit=100_000
+        )
+
+    async def teardown(self) -> None:
+        await self._sub.unsubscribe()
+        if self._inflight:
+            await asyncio.wait(self._inflight, timeout=self.cfg.actions.timeout_s + 2)
+        for t in list(self._inflight):
+            t.cancel()
+        await asyncio.gather(*self._inflight, return_exceptions=True)
+        await self.pool.close()
+
+    def extra_metrics(self) -> dict[str, Any]:
+        pool = getattr(self, "pool", None)
+        if pool is None:
+            return {}
+        return {
+            "in_flight": len(self._inflight),
+            "queued": pool.scheduler.waiting,
+            "busy_cores": pool.scheduler.busy,
+            "cores": pool.scheduler.cores,
+            "pool": dict(pool.counters),
+        }
+
+    async def _on_request(self, msg: Msg) -> None:
+        # Callbacks of one subscription run one after another: each request gets its own task so that
+        # FCFS happens in the scheduler, not in the client's delivery loop.
+        task = asyncio.create_task(self._handle(msg), name="actions:request")
+        self._inflight.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self._inflight.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self.counters["handler_failures"] += 1
+            self.log.error("action request failed", error=repr(task.exception()))
+
+    async def _handle(self, msg: Msg) -> None:
+        self.counters["requests"] += 1
+        try:
+            req = decode(ActionRequest, msg.data)
+        except DecodeError as exc:
+            await self._reject(msg, "", f"malformed ActionRequest: {exc.reason}")
+            return
+        if req.kind not in REGISTRY:
+            await self._reject(msg, req.action_id, f"unknown action kind {req.kind!r}; known: {sorted(REGISTRY)}")
+            return
+        t0 = time.monotonic()
+        timeout_s = min(req.timeout_s, self.cfg.actions.timeout_s)
+        outcomes = await asyncio.gather(*(self.pool.run(req.kind, p, timeout_s) for p in req.payloads))
+        errors = [o.error for o in outcomes]
+        self.counters["actions"] += len(outcomes)
+        self.counters["action_errors"] += sum(e is not None for e in errors)
+        self.counters["action_timeouts"] += sum(e is not None and e.startswith("timeout after") for e in errors)
+        result = ActionResult(
+            action_id=req.action_id,
+            results=[o.result or {} for o in outcomes],
+            errors=errors,
+            seconds=time.monotonic() - t0,
+        )
+        if msg.reply:
+            await msg.respond(encode(result))
+
+    async def _reject(self, msg: Msg, action_id: str, reason: str) -> None:
+        await self.to_dlq(msg.subject, msg.data, reason)
+        self.counters["rejected"] += 1
+        if msg.reply:
+            await msg.respond(encode(ActionResult(action_id=action_id, error=reason)))

@@ -1,0 +1,86 @@
+"""The subprocess side of the action pool: length-prefixed msgpack requests on stdin, results on stdout.
+
+``python -m services.actions.worker --memory-mb 512``. One request at a time; a failing action answers an
+error and the worker lives on; the address space is capped so a runaway action cannot take the host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import struct
+import sys
+import traceback
+from typing import Any, BinaryIO
+
+import msgpack
+
+HEADER = struct.Struct(">I")
+MAX_FRAME = 64 * 1024 * 1024
+
+
+def write_frame(out: BinaryIO, obj: Any) -> None:
+    """Write one length-prefixed msgpack frame and flush."""
+    data = msgpack.packb(obj, use_bin_type=True)
+    out.write(HEADER.pack(len(data)) + data)
+    out.flush()
+
+
+def read_frame(inp: BinaryIO) -> Any | None:
+    """Read one frame; ``None`` at end of input."""
+    head = inp.read(HEADER.size)
+    if len(head) < HEADER.size:
+        return None
+    (n,) = HEADER.unpack(head)
+    if n > MAX_FRAME:
+        raise ValueError(f"frame of {n} bytes exceeds {MAX_FRAME}")
+    data = inp.read(n)
+    if len(data) < n:
+        return None
+    return msgpack.unpackb(data, raw=False, strict_map_key=False)
+
+
+def run_one(request: Any) -> dict[str, Any]:
+    """Run one ``{"kind", "payload"}`` request against the registry; never raises."""
+    from services.actions.actions import REGISTRY
+
+    if not isinstance(request, dict):
+        return {"ok": False, "error": f"expected a map request, got {type(request).__name__}"}
+    kind, payload = request.get("kind"), request.get("payload")
+    fn = REGISTRY.get(kind) if isinstance(kind, str) else None
+    if fn is None:
+        return {"ok": False, "error": f"unknown action kind {kind!r}; known: {sorted(REGISTRY)}"}
+    if not isinstance(payload, dict):
+        return {"ok": False, "error": f"payload must be a map, got {type(payload).__name__}"}
+    try:
+        return {"ok": True, "result": fn(payload)}
+    except MemoryError:
+        return {"ok": False, "error": "MemoryError: the action exceeded the worker memory limit"}
+    except Exception as exc:
+        tb = traceback.format_exc(limit=3)
+        return {"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": tb}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="Chorus action worker (speaks length-prefixed msgpack on stdio).")
+    p.add_argument("--memory-mb", type=int, default=512)
+    args = p.parse_args(argv)
+    limit = args.memory_mb * 1024 * 1024
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    # The protocol owns the real stdout; anything an action prints goes to stderr instead.
+    out = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
+    sys.stdout = sys.stderr
+    inp = sys.stdin.buffer
+    import services.actions.actions  # noqa: F401  - load the registry before the first request
+
+    write_frame(out, {"ready": True, "pid": os.getpid()})
+    while True:
+        request = read_frame(inp)
+        if request is None:
+            return 0
+        write_frame(out, run_one(request))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

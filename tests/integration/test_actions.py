@@ -1,0 +1,123 @@
+"""The actions service over a real nats-server: batches, errors, timeouts and malformed requests."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import msgpack
+import nats
+import pytest
+
+from services.actions.service import ActionsService
+from shared.codec import decode, encode
+from shared.config import load_config
+from shared.schemas import ActionRequest, ActionResult
+
+
+@pytest.fixture
+async def actions(nats_url: str, run_id: str, tmp_path) -> AsyncIterator[ActionsService]:
+    p = tmp_path / "c.yaml"
+    p.write_text(
+        f"run: {{id: {run_id}, dir: {tmp_path}}}\nmodels: {{a: {{}}}}\n"
+        "agents: {solver: {model: a}, verifier: {model: a}}\n"
+        "actions: {cores: 2, timeout_s: 1.0, memory_mb: 256}\nmetrics_interval_s: 0.2\n"
+    )
+    svc = ActionsService(load_config(p), nats_url=nats_url)
+    task = asyncio.create_task(svc.serve())
+    for _ in range(200):
+        if getattr(svc, "_sub", None) is not None:
+            break
+        await asyncio.sleep(0.05)
+    assert getattr(svc, "_sub", None) is not None, "actions service did not start"
+    yield svc
+    svc.stop()
+    assert await asyncio.wait_for(task, 30) == 0
+
+
+async def ask(nc: nats.NATS, svc: ActionsService, req: ActionRequest | bytes, timeout: float = 10) -> ActionResult:
+    data = req if isinstance(req, bytes) else encode(req)
+    msg = await nc.request(svc.names.actions_submit(), data, timeout=timeout)
+    return decode(ActionResult, msg.data)
+
+
+async def test_check_answer_batch_is_scored_per_payload(actions: ActionsService, nats_url: str):
+    nc = await nats.connect(nats_url)
+    try:
+        payloads = [
+            {"expected": "7", "response": "7", "finished": True},
+            {"expected": "7", "response": "7x", "finished": True},
+            {"expected": "7", "response": "3", "finished": True},
+            {"expected": "7", "response": "?", "finished": True},
+        ]
+        res = await ask(nc, actions, ActionRequest(action_id="a1", kind="check_answer", payloads=payloads))
+        assert res.action_id == "a1" and res.error is None
+        assert [r["reward"] for r in res.results] == [1.0, 0.5, 0.1, 0.0]
+        assert [r["correct"] for r in res.results] == [True, False, False, False]
+        assert res.errors == [None] * 4
+    finally:
+        await nc.close()
+
+
+async def test_slow_and_crashing_actions_fail_alone_and_the_service_keeps_serving(
+    actions: ActionsService, nats_url: str
+):
+    nc = await nats.connect(nats_url)
+    try:
+        req = ActionRequest(action_id="a2", kind="echo", timeout_s=0.5,
+                            payloads=[{"sleep_s": 30}, {"exit_code": 1}, {"raise": "bad input"}, {"v": 1}])
+        res = await ask(nc, actions, req)
+        assert res.errors[0] == "timeout after 0.5s"
+        assert res.errors[1] is not None and "exited with code 1" in res.errors[1]
+        assert res.errors[2] == "RuntimeError: bad input"
+        assert res.errors[3] is None and res.results[3] == {"v": 1}
+        # The service-level cap (actions.timeout_s = 1.0) wins over a longer request timeout.
+        capped = await ask(nc, actions, ActionRequest(action_id="a3", kind="echo", timeout_s=60,
+                                                      payloads=[{"sleep_s": 30}]))
+        assert capped.errors == ["timeout after 1s"]
+        ok = await ask(nc, actions, ActionRequest(action_id="a4", kind="echo", payloads=[{"i": i} for i in range(6)]))
+        assert ok.results == [{"i": i} for i in range(6)]
+        assert actions.counters["action_timeouts"] == 2
+        assert actions.pool.counters["restarts"] == 3
+    finally:
+        await nc.close()
+
+
+async def test_malformed_and_unknown_requests_go_to_the_dlq_with_an_error_reply(
+    actions: ActionsService, nats_url: str
+):
+    nc = await nats.connect(nats_url)
+    try:
+        dlq = await nc.subscribe(actions.names.dlq("actions"))
+        res = await ask(nc, actions, b"\xc1not msgpack")
+        assert res.error is not None and "malformed ActionRequest" in res.error
+        entry = await dlq.next_msg(timeout=2)
+        assert entry.data == b"\xc1not msgpack" and "not msgpack" in entry.headers["Chorus-Reason"]
+
+        res = await ask(nc, actions, msgpack.packb({"schema": 1, "action_id": "x"}))
+        assert res.error is not None and "kind" in res.error
+        await dlq.next_msg(timeout=2)
+
+        res = await ask(nc, actions, ActionRequest(action_id="u1", kind="rm_rf", payloads=[{}]))
+        assert res.action_id == "u1" and res.error is not None and "unknown action kind 'rm_rf'" in res.error
+        assert "rm_rf" in (await dlq.next_msg(timeout=2)).headers["Chorus-Reason"]
+        assert actions.counters["rejected"] == 3
+        ok = await ask(nc, actions, ActionRequest(action_id="e", kind="echo", payloads=[{"still": "up"}]))
+        assert ok.results == [{"still": "up"}]
+    finally:
+        await nc.close()
+
+
+async def test_requests_are_served_concurrently_up_to_the_core_budget(actions: ActionsService, nats_url: str):
+    nc = await nats.connect(nats_url)
+    try:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        reqs = [ActionRequest(action_id=f"c{i}", kind="echo", payloads=[{"sleep_s": 0.3}]) for i in range(4)]
+        results = await asyncio.gather(*(ask(nc, actions, r) for r in reqs))
+        elapsed = loop.time() - t0
+        assert all(r.errors == [None] for r in results)
+        # 4 x 0.3 s on 2 cores: two rounds, not four, and not one.
+        assert 0.55 <= elapsed < 1.15, elapsed
+    finally:
+        await nc.close()
