@@ -1,0 +1,272 @@
+"""The coordinator: K task loops run ``solve_verify`` episodes through rollouters and the actions service and
+publish every agent turn as a Sample to its model's trajectory stream."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+import uuid
+from typing import Any
+
+import nats.errors
+from nats.aio.msg import Msg
+
+from services.coordinator.admission import Admission
+from services.coordinator.tasks import TaskSource
+from services.coordinator.workflow import Episode, GenResult, solve_verify
+from shared.bus import kv_get_int
+from shared.codec import DecodeError, decode, decode_json, encode
+from shared.schemas import ActionRequest, ActionResult, Array, DepthReport, GenRequest, GenResponse
+from shared.service import Service
+from shared.tokenizer import EOS_ID, ByteTokenizer
+
+MAX_ATTEMPTS = 8
+BACKOFF_MAX_S = 5.0
+POLL_S = 0.05  # backpressure / budget re-check period
+VERSION_POLL_S = 0.2
+DRAIN_S = 20.0
+EMA = 0.05
+
+
+class Abandon(Exception):
+    """A request failed for good (attempts exhausted or the service is stopping): drop the task."""
+
+
+class RetryableError(Exception):
+    """An error reply or malformed answer; the request is idempotent, so it is sent again."""
+
+
+class CoordinatorService(Service):
+    """Per run: ``workflow.concurrency`` concurrent task loops, honouring mq backpressure."""
+
+    name = "coordinator"
+
+    async def setup(self) -> None:
+        cfg = self.cfg
+        wf = cfg.workflow
+        self.tok = ByteTokenizer()
+        self.models = sorted({cfg.agents[wf.solver].model, cfg.agents[wf.verifier].model})
+        self.admission = Admission(self.models, cfg.train.max_versions,
+                                   stale_after_s=max(5.0, 10 * cfg.mq.report_interval_s))
+        self.served: dict[str, int] = {}
+        await self._poll_versions()
+        # Same seed, same questions; the time-based prefix keeps ids unique across coordinator restarts
+        # (the trainer deduplicates by sample id).
+        prefix = f"c{self.instance}x{int(time.time() * 1000):x}".replace("_", "").replace("-", "")
+        self.tasks = TaskSource(cfg.run.seed, cfg.task, prefix)
+        self.reward_ema: dict[str, float] = {}
+        self.final_correct_ema: float | None = None
+        self.in_flight = 0
+        self._publishing: set[asyncio.Task[None]] = set()
+        self._announced_done = False
+        for m in self.models:
+            await self.nc.subscribe(self.names.depth(m), cb=self._on_depth)
+        self.spawn(self._version_loop(), "versions")
+        self._loops = [self.spawn(self._task_loop(), f"loop{k}") for k in range(wf.concurrency)]
+
+    async def teardown(self) -> None:
+        # Loops see `stopping` and finish the episode they are in; what is not done in time is abandoned.
+        loops = [t for t in self._loops if not t.done()]
+        if loops:
+            _, pending = await asyncio.wait(loops, timeout=DRAIN_S)
+            for t in pending:
+                t.cancel()
+                self.counters["tasks_abandoned"] += 1
+            await asyncio.gather(*pending, return_exceptions=True)
+        if self._publishing:
+            await asyncio.wait(self._publishing, timeout=10)
+
+    def extra_metrics(self) -> dict[str, Any]:
+        if not hasattr(self, "admission"):
+            return {}
+        now = time.monotonic()
+        return {
+            "in_flight": self.in_flight,
+            "reward_ema": dict(self.reward_ema),
+            "final_correct_ema": self.final_correct_ema,
+            "served_versions": dict(self.served),
+            "trained_versions": dict(self.admission.trained),
+            "backpressured": self.admission.blocked_by(now),
+            "admitting": not self.admission.budget_spent and not self.stopping,
+        }
+
+    # --- versions and backpressure ------------------------------------------------------
+    async def _poll_versions(self) -> None:
+        for m in self.models:
+            self.served[m] = await kv_get_int(self.kv, self.names.version_key(m))
+            self.admission.on_trained(m, await kv_get_int(self.kv, self.names.trained_key(m)))
+
+    async def _version_loop(self) -> None:
+        while not self.stopping:
+            try:
+                await self._poll_versions()
+            except (nats.errors.Error, TimeoutError) as exc:  # broker hiccup: keep the last known values
+                self.counters["version_poll_errors"] += 1
+                self.log.warning("version poll failed", error=f"{type(exc).__name__}: {exc}")
+            if self.admission.budget_spent and not self._announced_done:
+                self._announced_done = True
+                self.log.info("every model reached max_versions: no new tasks", trained=self.admission.trained)
+                await self.event("admission_stopped", trained=dict(self.admission.trained))
+            await asyncio.sleep(VERSION_POLL_S)
+
+    async def _on_depth(self, msg: Msg) -> None:
+        try:
+            report = DepthReport.model_validate(decode_json(msg.data))
+        except (DecodeError, ValueError) as exc:
+            await self.to_dlq(msg.subject, msg.data, f"malformed DepthReport JSON: {exc}")
+            return
+        self.admission.on_depth(report.model, report.depth, report.capacity, time.monotonic())
+        self.admission.on_trained(report.model, report.trained_version)
+
+    async def _wait_admitted(self) -> bool:
+        """Wait until a new task may start; False when the service is stopping."""
+        waited = False
+        while not self.stopping:
+            if self.admission.budget_spent:
+                await asyncio.sleep(VERSION_POLL_S)  # idle until SIGTERM (or a restored budget)
+                continue
+            if not self.admission.blocked_by(time.monotonic()):
+                return True
+            if not waited:
+                waited = True
+                self.counters["backpressure_waits"] += 1
+            await asyncio.sleep(POLL_S)
+        return False
+
+    # --- task loops ---------------------------------------------------------------------
+    async def _task_loop(self) -> None:
+        while await self._wait_admitted():
+            env_idx, task = self.tasks.next()
+            self.counters["tasks_started"] += 1
+            self.in_flight += 1
+            try:
+                ep = await solve_verify(self.cfg, task, env_idx, self._generate, self._check,
+                                        lambda: dict(self.served), self.tok)
+            except (Abandon, ValueError) as exc:
+                self.counters["tasks_abandoned"] += 1
+                self.log.warning("task abandoned", task=task.task_id, error=str(exc))
+                continue
+            finally:
+                self.in_flight -= 1
+            # Once started, a task's samples are published whole even if a drain cancels this loop.
+            pub = asyncio.create_task(self._publish(ep))
+            self._publishing.add(pub)
+            pub.add_done_callback(self._publishing.discard)
+            await asyncio.shield(pub)
+            self._record(ep)
+
+    def _record(self, ep: Episode) -> None:
+        self.counters["tasks_done"] += 1
+        for agent, rewards in ep.rewards.items():
+            mean = sum(rewards) / max(1, len(rewards))
+            prev = self.reward_ema.get(agent)
+            self.reward_ema[agent] = mean if prev is None else (1 - EMA) * prev + EMA * mean
+        rate = sum(ep.final_correct) / max(1, len(ep.final_correct))
+        prev_fc = self.final_correct_ema
+        self.final_correct_ema = rate if prev_fc is None else (1 - EMA) * prev_fc + EMA * rate
+
+    async def _publish(self, ep: Episode) -> None:
+        """Publish every sample with its id as ``Nats-Msg-Id``; failures are retried (the id dedups)."""
+        pending = list(ep.samples)
+        for attempt in range(MAX_ATTEMPTS):
+            futs = [
+                await self.js.publish_async(self.names.traj(s.model), encode(s), headers={"Nats-Msg-Id": s.sample_id})
+                for s in pending
+            ]
+            results = await asyncio.gather(*futs, return_exceptions=True)
+            failed = [s for s, r in zip(pending, results, strict=True) if isinstance(r, BaseException)]
+            self.counters["samples_published"] += len(pending) - len(failed)
+            if not failed:
+                return
+            self.counters["publish_retries"] += len(failed)
+            first = next(r for r in results if isinstance(r, BaseException))
+            self.log.warning("sample publish failed", count=len(failed), error=f"{type(first).__name__}: {first}")
+            pending = failed
+            await asyncio.sleep(self._backoff(attempt))
+        self.counters["samples_lost"] += len(pending)
+        self.log.error("samples not published after retries", task=ep.task.task_id, count=len(pending))
+
+    # --- requests -----------------------------------------------------------------------
+    @staticmethod
+    def _backoff(attempt: int) -> float:
+        return min(BACKOFF_MAX_S, 0.1 * 2**attempt) * random.uniform(0.5, 1.0)
+
+    async def _request(self, subject: str, data: bytes, timeout_s: float, what: str) -> bytes:
+        """Request with retries and backoff on timeout / no responders; raises Abandon when it gives up."""
+        for attempt in range(MAX_ATTEMPTS):
+            try:
+                msg = await self.nc.request(subject, data, timeout=timeout_s)
+                return msg.data
+            except nats.errors.NoRespondersError:
+                self.counters[f"{what}_no_responders"] += 1
+            except (nats.errors.TimeoutError, TimeoutError):
+                self.counters[f"{what}_timeouts"] += 1
+            except nats.errors.Error as exc:
+                if self.stopping or self.nc.is_closed or self.nc.is_draining:
+                    raise Abandon(f"{what} request failed: {type(exc).__name__}: {exc}") from exc
+                self.counters[f"{what}_connection_errors"] += 1  # reconnecting: wait and try again
+            self.counters[f"{what}_retries"] += 1
+            if self.stopping:
+                break
+            await asyncio.sleep(self._backoff(attempt))
+        raise Abandon(f"{what} request to {subject} got no answer after {attempt + 1} attempt(s)")
+
+    async def _generate(self, model: str, adapter: str | None, prompts: list[list[int]], *,
+                        max_new_tokens: int, temperature: float, top_p: float) -> list[GenResult]:
+        req = GenRequest(request_id=uuid.uuid4().hex, prompts=[Array.of(p, "int32") for p in prompts],
+                         max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, adapter=adapter,
+                         stop_ids=[EOS_ID])
+        data = encode(req)
+        timeout_s = self.cfg.models[model].rollouter.request_timeout_s
+        for attempt in range(MAX_ATTEMPTS):
+            t0 = time.monotonic()
+            raw = await self._request(self.names.gen(model), data, timeout_s, "gen")
+            try:
+                resp = decode(GenResponse, raw)
+                if resp.error:
+                    raise RetryableError(f"rollouter error: {resp.error}")
+                if len(resp.outputs) != len(prompts):
+                    raise RetryableError(f"{len(resp.outputs)} outputs for {len(prompts)} prompts")
+            except (DecodeError, RetryableError) as exc:
+                self.counters["gen_error_replies"] += 1
+                self.counters["gen_retries"] += 1
+                self.log.warning("bad generation reply", model=model, error=str(exc))
+                if self.stopping:
+                    break
+                await asyncio.sleep(self._backoff(attempt))
+                continue
+            seconds = time.monotonic() - t0
+            self.counters["gen_requests"] += 1
+            return [GenResult(ids=o.ids.tolist(), logprobs=o.logprobs.tolist(), finished=o.finish == "stop",
+                              version=resp.version, seconds=seconds) for o in resp.outputs]
+        raise Abandon(f"generation for {model} failed after retries")
+
+    async def _check(self, payloads: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        acfg = self.cfg.actions
+        req = ActionRequest(action_id=uuid.uuid4().hex, kind="check_answer", payloads=payloads,
+                            timeout_s=acfg.timeout_s)
+        data = encode(req)
+        # Actions queue FCFS behind other tasks' checks: allow for a full queue of timeouts.
+        timeout_s = acfg.timeout_s * (1 + -(-len(payloads) // acfg.cores)) + 10.0
+        for attempt in range(MAX_ATTEMPTS):
+            raw = await self._request(self.names.actions_submit(), data, timeout_s, "check")
+            try:
+                result = decode(ActionResult, raw)
+                if result.error:
+                    raise RetryableError(f"actions error: {result.error}")
+                if len(result.results) != len(payloads):
+                    raise RetryableError(f"{len(result.results)} results for {len(payloads)} payloads")
+            except (DecodeError, RetryableError) as exc:
+                self.counters["check_error_replies"] += 1
+                self.counters["check_retries"] += 1
+                self.log.warning("bad actions reply", error=str(exc))
+                if self.stopping:
+                    break
+                await asyncio.sleep(self._backoff(attempt))
+                continue
+            failed = sum(e is not None for e in result.errors)
+            if failed:
+                self.counters["check_action_errors"] += failed  # those rows score 0
+            return result.results
+        raise Abandon("answer checks failed after retries")

@@ -1,0 +1,236 @@
+"""The coordinator against a real nats-server, a real ActionsService and a stand-in rollouter that runs
+the real tiny model (sampled decoding written here: the rollouter service is tested on its own)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import nats
+import pytest
+import torch
+from nats.aio.msg import Msg
+
+from services.actions.service import ActionsService
+from services.coordinator.service import CoordinatorService
+from shared.bus import kv_put_int_max, pull_consumer
+from shared.codec import decode, encode, encode_json
+from shared.config import ChorusConfig, load_config
+from shared.modeling import build_model
+from shared.schemas import Array, DepthReport, GenOutput, GenRequest, GenResponse, Sample
+from shared.subjects import Names
+from shared.tokenizer import EOS_ID
+
+MODELS = ("solver_lm", "verifier_lm")
+G = 4
+
+
+def write_config(tmp_path, run_id: str, max_versions: int = 100) -> ChorusConfig:
+    arch = "{arch: {hidden_size: 32, num_layers: 1, num_heads: 2, intermediate_size: 64, max_position: 64}, " \
+           "rollouter: {request_timeout_s: 5.0}}"
+    p = tmp_path / "c.yaml"
+    p.write_text(f"""
+run: {{id: {run_id}, dir: {tmp_path}, seed: 3}}
+models: {{solver_lm: {arch}, verifier_lm: {arch}}}
+agents:
+  solver: {{model: solver_lm}}
+  verifier: {{model: verifier_lm, prompt: "check:"}}
+workflow: {{concurrency: 2, group_size: {G}, max_new_tokens: 3, temperature: 1.0}}
+task: {{max_operand: 4, ops: ["+"], modulo: 10}}
+train: {{max_versions: {max_versions}, global_batch: 8, micro_batch: 8}}
+mq: {{report_interval_s: 0.1}}
+actions: {{cores: 1, timeout_s: 2.0, memory_mb: 256}}
+metrics_interval_s: 0.5
+""")
+    return load_config(p)
+
+
+@dataclass
+class StandInRollouter:
+    """Answers GenRequest on ``gen(model)`` with sampled tokens and their log-probs from the tiny model."""
+
+    cfg: ChorusConfig
+    model: str
+    version: int
+    fail_first: int = 0
+    requests: int = 0
+    net: torch.nn.Module = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.net = build_model(self.cfg, self.model).eval()
+
+    def generate(self, req: GenRequest) -> list[GenOutput]:
+        torch.set_num_threads(1)
+        gen = torch.Generator().manual_seed(self.requests)
+        outs = []
+        with torch.no_grad():
+            for prompt in req.prompts:
+                ids = [int(i) for i in prompt.tolist()]
+                new, logps = [], []
+                for _ in range(req.max_new_tokens):
+                    logits = self.net(torch.tensor([ids])).logits[0, -1] / max(req.temperature, 1e-5)
+                    logp = torch.log_softmax(logits, -1)
+                    tok = int(torch.multinomial(logp.exp(), 1, generator=gen))
+                    ids.append(tok)
+                    new.append(tok)
+                    logps.append(float(logp[tok]))
+                    if tok in req.stop_ids:
+                        break
+                finish = "stop" if new[-1] in req.stop_ids else "length"
+                outs.append(GenOutput(ids=Array.of(new, "int32"), logprobs=Array.of(logps, "float32"), finish=finish))
+        return outs
+
+    async def handle(self, msg: Msg) -> None:
+        req = decode(GenRequest, msg.data)
+        self.requests += 1
+        if self.requests <= self.fail_first:
+            await msg.respond(encode(GenResponse(request_id=req.request_id, error="warming up")))
+            return
+        outs = await asyncio.to_thread(self.generate, req)
+        await msg.respond(encode(GenResponse(request_id=req.request_id, outputs=outs, version=self.version)))
+
+
+async def start(svc) -> asyncio.Task[int]:
+    task = asyncio.create_task(svc.serve())
+    for _ in range(200):
+        if getattr(svc, "_micro", None) is not None:
+            return task
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{svc.name} did not start")
+
+
+@pytest.fixture
+async def cluster(nats_url: str, run_id: str, tmp_path) -> AsyncIterator[dict]:
+    cfg = write_config(tmp_path, run_id)
+    names = Names(run_id)
+    nc = await nats.connect(nats_url)
+    js = nc.jetstream()
+    actions = ActionsService(cfg, nats_url=nats_url)
+    actions_task = await start(actions)
+    kv = actions.kv
+    await kv_put_int_max(kv, names.version_key("solver_lm"), 2)
+    await kv_put_int_max(kv, names.version_key("verifier_lm"), 5)
+    stand_ins = {"solver_lm": StandInRollouter(cfg, "solver_lm", 2, fail_first=1),
+                 "verifier_lm": StandInRollouter(cfg, "verifier_lm", 5)}
+    for m, s in stand_ins.items():
+        await nc.subscribe(names.gen(m), queue="rollouter", cb=s.handle)
+    subs = {m: await pull_consumer(js, stream=names.traj_stream(m), subject=names.traj(m), durable=f"t_{m}",
+                                   ack_wait_s=30, max_ack_pending=10_000) for m in MODELS}
+    coord = CoordinatorService(cfg, nats_url=nats_url)
+    coord_task = await start(coord)
+    yield {"cfg": cfg, "names": names, "nc": nc, "kv": kv, "subs": subs, "coord": coord, "stand_ins": stand_ins,
+           "coord_task": coord_task}
+    coord.stop()
+    assert await asyncio.wait_for(coord_task, 40) == 0
+    actions.stop()
+    assert await asyncio.wait_for(actions_task, 30) == 0
+    await nc.close()
+
+
+async def drain(sub, want: int, timeout_s: float = 60) -> list[Msg]:
+    got: list[Msg] = []
+    deadline = time.monotonic() + timeout_s
+    while len(got) < want and time.monotonic() < deadline:
+        try:
+            got += await sub.fetch(want - len(got), timeout=1)
+        except (TimeoutError, nats.errors.TimeoutError):
+            continue
+    for m in got:
+        await m.ack()
+    return got
+
+
+async def test_samples_of_both_agents_reach_their_models_streams(cluster: dict):
+    names, subs, coord = cluster["names"], cluster["subs"], cluster["coord"]
+    msgs = {m: await drain(subs[m], 2 * G) for m in MODELS}
+    for m in MODELS:
+        assert len(msgs[m]) == 2 * G, f"{m}: {len(msgs[m])} samples, counters {dict(coord.counters)}"
+    for model, turn, agent, version in (("solver_lm", 0, "solver", 2), ("verifier_lm", 1, "verifier", 5)):
+        samples = [decode(Sample, msg.data) for msg in msgs[model]]
+        for msg, s in zip(msgs[model], samples, strict=True):
+            assert msg.headers["Nats-Msg-Id"] == s.sample_id
+            task_id = s.group_key.split(":")[0]
+            assert s.group_key == f"{task_id}:{agent}:{turn}"
+            assert s.sample_id == Sample.make_id(task_id, turn, s.rollout_idx)
+            assert s.episode == f"{task_id}/{s.rollout_idx}"
+            assert (s.model, s.agent, s.turn, s.group_size, s.run) == (model, agent, turn, G, names.run)
+            assert s.version == version and s.versions == {"solver_lm": 2, "verifier_lm": 5}
+            assert 0.0 <= s.reward <= 1.0 and s.reward in (0.0, 0.1, 0.5, 1.0)
+            assert len(s.response_ids) == len(s.behavior_logprobs) >= 1
+            assert all(lp <= 0.0 for lp in s.behavior_logprobs.tolist())
+            assert s.prompt_ids.tolist()[0] == 257  # BOS
+            assert s.response_ids.tolist()[-1] == EOS_ID or len(s.response_ids) == 3
+        # Whole groups: every task contributes exactly G rollouts 0..G-1.
+        by_group: dict[str, list[int]] = {}
+        for s in samples:
+            by_group.setdefault(s.group_key, []).append(s.rollout_idx)
+        first = sorted(by_group)[0]
+        assert sorted(by_group[first]) == list(range(G))
+    # The stand-in's first reply was an error: the coordinator retried rather than dropping the task.
+    assert coord.counters["gen_error_replies"] >= 1
+    assert coord.counters["samples_published"] >= 4 * G
+    snap = coord.metrics_snapshot()
+    assert set(snap["reward_ema"]) == {"solver", "verifier"} and 0.0 <= snap["final_correct_ema"] <= 1.0
+
+
+async def test_full_mq_stops_new_tasks_until_the_backlog_drains(cluster: dict):
+    names, nc, coord = cluster["names"], cluster["nc"], cluster["coord"]
+    await drain(cluster["subs"]["solver_lm"], 2 * G)
+    full = encode_json(DepthReport(model="verifier_lm", depth=64, capacity=64, trained_version=0))
+    stop_reporting = asyncio.Event()
+
+    async def report(data: bytes) -> None:
+        while not stop_reporting.is_set():
+            await nc.publish(names.depth("verifier_lm"), data)
+            await asyncio.sleep(0.1)
+
+    reporter = asyncio.create_task(report(full))
+    try:
+        await asyncio.sleep(0.3)
+        # Tasks already in flight finish; then nothing new starts.
+        for _ in range(200):
+            if coord.in_flight == 0:
+                break
+            await asyncio.sleep(0.05)
+        started = coord.counters["tasks_started"]
+        await asyncio.sleep(1.5)
+        assert coord.counters["tasks_started"] == started
+        assert coord.counters["backpressure_waits"] >= 1
+        assert coord.metrics_snapshot()["backpressured"] == ["verifier_lm"]
+    finally:
+        stop_reporting.set()
+        await reporter
+    await nc.publish(names.depth("verifier_lm"), encode_json(
+        DepthReport(model="verifier_lm", depth=3, capacity=64, trained_version=0)))
+    for _ in range(100):
+        if coord.counters["tasks_started"] > started:
+            break
+        await asyncio.sleep(0.05)
+    assert coord.counters["tasks_started"] > started
+
+
+async def test_no_new_tasks_once_every_model_trained_max_versions(cluster: dict):
+    names, kv, coord = cluster["names"], cluster["kv"], cluster["coord"]
+    await kv_put_int_max(kv, names.trained_key("solver_lm"), 100)
+    await asyncio.sleep(0.5)
+    assert coord.counters["tasks_started"] > 0 or coord.in_flight > 0
+    await kv_put_int_max(kv, names.trained_key("verifier_lm"), 100)
+    for _ in range(200):
+        if coord.in_flight == 0 and not coord.metrics_snapshot()["admitting"]:
+            break
+        await asyncio.sleep(0.05)
+    started = coord.counters["tasks_started"]
+    await asyncio.sleep(1.0)
+    assert coord.counters["tasks_started"] == started
+    assert not coord.stopping  # idle, not exited: it waits for SIGTERM
+
+
+async def test_malformed_depth_report_goes_to_the_dlq(cluster: dict):
+    names, nc, coord = cluster["names"], cluster["nc"], cluster["coord"]
+    dlq = await nc.subscribe(names.dlq("coordinator"))
+    await nc.publish(names.depth("solver_lm"), b"{not json")
+    entry = await dlq.next_msg(timeout=3)
+    assert "DepthReport" in entry.headers["Chorus-Reason"]
+    assert coord.counters["dlq"] == 1
