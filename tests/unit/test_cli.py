@@ -1,0 +1,248 @@
+"""The chorus command line, the process supervisor of `chorus up`, plotting and the run summary."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from shared.cli import app
+from shared.config import load_config
+from shared.plotting import summarize
+from shared.progress import RunTracker
+from shared.supervisor import ChildSpec, Supervisor, plan_services, resolve_run, unique_run_id
+
+CHORUS = str(Path(sys.executable).parent / "chorus")
+CONFIG = "run: {{id: {run}, dir: {dir}}}\nmodels: {{a: {{rollouter: {{instances: 2}}}}, b: {{}}}}\n" \
+         "agents: {{solver: {{model: a}}, verifier: {{model: b}}}}\n"
+
+
+def _chorus(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([CHORUS, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_serve_unknown_service_fails_with_the_list_of_services() -> None:
+    r = _chorus("serve", "nosuch", "--config", "x.yaml")
+    assert r.returncode == 2
+    assert "unknown service 'nosuch'" in r.stderr
+    assert "coordinator" in r.stderr and "rollouter" in r.stderr
+
+
+def test_up_with_invalid_config_exits_2_naming_the_key(tmp_path: Path) -> None:
+    p = tmp_path / "bad.yaml"
+    p.write_text(CONFIG.format(run="r", dir=tmp_path) + "train: {max_versionz: 3}\n")
+    r = _chorus("up", str(p))
+    assert r.returncode == 2
+    assert "train.max_versionz" in r.stderr
+
+
+def test_status_of_a_run_with_nothing_running_says_so(nats_url: str, run_id: str, tmp_path: Path) -> None:
+    p = tmp_path / "c.yaml"
+    p.write_text(CONFIG.format(run=run_id, dir=tmp_path))
+    r = _chorus("status", "--config", str(p), "--nats", nats_url)
+    assert r.returncode == 0, r.stderr
+    assert "no service of this run answered" in r.stdout
+    assert "no KV bucket" in r.stdout
+
+
+def _write_metrics(path: Path) -> None:
+    lines = []
+    for v in range(1, 11):  # model a: reward 0.1 .. 1.0
+        lines.append({"model": "a", "version": v, "reward_mean": v / 10, "staleness_mean": 0.5,
+                      "agent_reward": {"solver": v / 10}})
+    for v in range(1, 4):  # model b: 3 steps -> first/last use one step each
+        lines.append({"model": "b", "version": v, "reward_mean": [0.2, 0.0, 0.8][v - 1], "staleness_mean": 1.0})
+    text = "\n".join(json.dumps(x) for x in reversed(lines)) + "\n{truncated line\n"
+    path.write_text(text)
+
+
+def test_summarize_uses_first_and_last_fifth_of_steps_per_model(tmp_path: Path) -> None:
+    m = tmp_path / "metrics.jsonl"
+    _write_metrics(m)
+    s = summarize(m)
+    assert s["a"]["steps"] == 10
+    assert s["a"]["first"] == pytest.approx(0.15)  # versions 1, 2
+    assert s["a"]["last"] == pytest.approx(0.95)  # versions 9, 10
+    assert s["a"]["delta"] == pytest.approx(0.8)
+    assert s["b"] == pytest.approx({"steps": 3, "first": 0.2, "last": 0.8, "delta": 0.6})
+
+
+def test_plot_command_writes_a_png_and_prints_the_summary(tmp_path: Path) -> None:
+    _write_metrics(tmp_path / "metrics.jsonl")
+    r = CliRunner().invoke(app, ["plot", str(tmp_path)])
+    assert r.exit_code == 0, r.output
+    png = tmp_path / "reward.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "+0.800" in r.output
+
+
+def test_plot_of_a_directory_without_metrics_fails(tmp_path: Path) -> None:
+    r = CliRunner().invoke(app, ["plot", str(tmp_path)])
+    assert r.exit_code == 2
+
+
+def test_plan_starts_services_in_dependency_order(tmp_path: Path) -> None:
+    p = tmp_path / "c.yaml"
+    p.write_text(CONFIG.format(run="r", dir=tmp_path))
+    keys = [s.key for s in plan_services(load_config(p))]
+    assert keys == ["actions-0", "mq-a-0", "trainer-a-0", "rollouter-a-0", "rollouter-a-1", "paramsync-a-0",
+                    "mq-b-0", "trainer-b-0", "rollouter-b-0", "paramsync-b-0", "coordinator-0"]
+    argv = ChildSpec("rollouter", "a", "1").argv(p, "nats://h:1")
+    assert argv[1:3] == ["-m", "services.rollouter"]
+    assert argv[argv.index("--model") + 1] == "a" and argv[argv.index("--instance") + 1] == "1"
+
+
+def test_resolved_run_gets_a_unique_id_and_absolute_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    p = tmp_path / "c.yaml"
+    p.write_text(CONFIG.format(run="base", dir="runs"))
+    cfg = resolve_run(p)
+    assert cfg.run.id.startswith("base-") and len(cfg.run.id) == len(unique_run_id("base"))
+    assert cfg.run_dir == tmp_path / "runs" / cfg.run.id
+    assert load_config(p).run.id == "base"  # the override did not leak into this process
+
+
+async def test_supervisor_stops_children_and_reports_one_that_dies(tmp_path: Path) -> None:
+    sup = Supervisor(tmp_path / "logs")
+    sleeper = sup.start("sleeper-0", [sys.executable, "-c", "import time; time.sleep(60)"])
+    crasher = sup.start("crasher-0", [sys.executable, "-c", "import sys; print('boom: bad weights'); sys.exit(3)"])
+    crasher.popen.wait(timeout=20)
+    dead = sup.exited()
+    assert [c.key for c in dead] == ["crasher-0"]
+    assert dead[0].popen.returncode == 3
+    assert "boom: bad weights" in dead[0].tail()
+    assert sleeper.alive()
+    t0 = time.monotonic()
+    codes = await sup.stop_all(grace_s=10)
+    assert time.monotonic() - t0 < 5
+    assert codes == {"sleeper-0": -15, "crasher-0": 3}
+    assert sup.exited() == []  # exits after stop are expected
+
+
+async def test_supervisor_kills_a_child_that_ignores_sigterm(tmp_path: Path) -> None:
+    sup = Supervisor(tmp_path / "logs")
+    code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(60)"
+    child = sup.start("stubborn-0", [sys.executable, "-c", code])
+    for _ in range(100):
+        if "ready" in child.tail():
+            break
+        time.sleep(0.05)
+    codes = await sup.stop_all(grace_s=0.5)
+    assert codes == {"stubborn-0": -9}
+
+
+def test_tracker_finishes_when_every_model_reaches_max_versions() -> None:
+    t = RunTracker.for_models(["a", "b"], max_versions=3)
+    t.on_event({"kind": "step", "model": "a", "version": 3, "reward_mean": 0.5})
+    t.on_event({"kind": "step", "model": "zzz", "version": 9})
+    t.on_event("not a dict")
+    assert not t.finished
+    assert t.models["a"].reward_mean == 0.5
+    t.on_trained_version("b", 2)
+    assert not t.finished
+    t.on_trained_version("b", 3)
+    assert t.finished
+
+
+# --- `chorus up` against stand-in services ------------------------------------------------------
+# `python -m services.<name>` puts the working directory first on sys.path, so a `services/` package in
+# the directory `chorus up` runs from stands in for the real ones: the supervisor itself is under test.
+FAKE_SERVICE = '''
+import argparse, asyncio, json, os, sys, time
+from pathlib import Path
+import nats
+from shared.config import load_config
+from shared.subjects import Names
+p = argparse.ArgumentParser()
+for a in ("--config", "--nats", "--model", "--instance"):
+    p.add_argument(a)
+args = p.parse_args()
+cfg = load_config(args.config)
+Path("pids").mkdir(exist_ok=True)
+Path("pids", f"{os.getpid()}").write_text(cfg.run.id)
+async def finish() -> None:
+    nc = await nats.connect(args.nats)
+    kv = await nc.jetstream().key_value(Names(cfg.run.id).kv_bucket)
+    with open(cfg.run_dir / "metrics.jsonl", "a") as fh:
+        for v in range(1, cfg.train.max_versions + 1):
+            fh.write(json.dumps({"model": args.model, "version": v, "reward_mean": v / 10, "staleness_mean": 0.0}) + "\\n")
+    await kv.put(Names.trained_key(args.model), str(cfg.train.max_versions).encode())
+    await nc.close()
+if os.environ.get("FAKE_TRAINER_FINISHES") and __package__ == "services.trainer":
+    asyncio.run(finish())
+if os.environ.get("FAKE_CRASH") == __package__:
+    print("fake failure: weights checksum mismatch", flush=True)
+    sys.exit(3)
+time.sleep(120)
+'''
+SERVICES = ("coordinator", "rollouter", "mq", "trainer", "paramsync", "actions")
+
+
+def _fake_tree(tmp_path: Path, run_id: str) -> Path:
+    for svc in SERVICES:
+        d = tmp_path / "services" / svc
+        d.mkdir(parents=True)
+        (d / "__init__.py").write_text("")
+        (d / "__main__.py").write_text(FAKE_SERVICE)
+    (tmp_path / "services" / "__init__.py").write_text("")
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(CONFIG.format(run=run_id, dir=tmp_path / "runs") + "train: {max_versions: 5}\n")
+    return cfg
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split()[2]
+    except OSError:
+        return False
+    return state != "Z"  # a zombie has exited already
+
+
+def _up(tmp_path: Path, cfg: Path, nats_url: str, **env: str) -> subprocess.Popen[str]:
+    full_env = {**os.environ, "CHORUS_NATS__URL": nats_url, **env}
+    return subprocess.Popen([CHORUS, "up", str(cfg), "--timeout-s", "60"], cwd=tmp_path, env=full_env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_up_exits_0_when_every_model_is_trained_and_writes_plot(nats_url: str, run_id: str, tmp_path: Path) -> None:
+    cfg = _fake_tree(tmp_path, run_id)
+    proc = _up(tmp_path, cfg, nats_url, FAKE_TRAINER_FINISHES="1")
+    out, _ = proc.communicate(timeout=90)
+    assert proc.returncode == 0, out
+    run_dir = next((tmp_path / "runs").glob(f"{run_id}-*"))
+    assert (run_dir / "reward.png").stat().st_size > 0
+    assert (run_dir / "config.yaml").exists() and (run_dir / "logs" / "rollouter-a-1.log").exists()
+    assert "+0.400" in out  # summary: versions 1..5, first 0.1, last 0.5
+    pids = [int(p.name) for p in (tmp_path / "pids").iterdir()]
+    assert len(pids) >= 10 and {p.read_text() for p in (tmp_path / "pids").iterdir()} == {run_dir.name}
+    assert not any(_alive(p) for p in pids)
+
+
+def test_up_reports_a_crashed_service_with_its_log_and_exits_1(nats_url: str, run_id: str, tmp_path: Path) -> None:
+    cfg = _fake_tree(tmp_path, run_id)
+    proc = _up(tmp_path, cfg, nats_url, FAKE_CRASH="services.paramsync")
+    out, _ = proc.communicate(timeout=90)
+    assert proc.returncode == 1, out
+    assert "paramsync-a-0 exited unexpectedly with code 3" in out
+    assert "weights checksum mismatch" in out
+    assert not any(_alive(int(p.name)) for p in (tmp_path / "pids").iterdir())
+
+
+def test_up_stops_everything_on_ctrl_c_and_exits_130(nats_url: str, run_id: str, tmp_path: Path) -> None:
+    cfg = _fake_tree(tmp_path, run_id)
+    proc = _up(tmp_path, cfg, nats_url)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and len(list((tmp_path / "pids").glob("*"))) < 9:
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out
+    pids = [int(p.name) for p in (tmp_path / "pids").iterdir()]
+    assert len(pids) >= 9 and not any(_alive(p) for p in pids)

@@ -1,0 +1,91 @@
+"""Run config: YAML + CHORUS_* environment overrides, errors that name the bad key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from shared.config import ConfigError, config_from_yaml_text, load_config
+
+BASE = {
+    "run": {"id": "c1"},
+    "models": {"a": {}, "b": {}},
+    "agents": {"solver": {"model": "a"}, "verifier": {"model": "b"}},
+    "train": {"max_versions": 7},
+}
+
+
+def _write(tmp_path: Path, data: dict) -> Path:
+    p = tmp_path / "run.yaml"
+    p.write_text(yaml.safe_dump(data))
+    return p
+
+
+def test_environment_override_wins_over_yaml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CHORUS_TRAIN__MAX_VERSIONS", "3")
+    monkeypatch.setenv("CHORUS_RUN__ID", "from-env")
+    cfg = load_config(_write(tmp_path, BASE))
+    assert cfg.train.max_versions == 3
+    assert cfg.run.id == "from-env"
+    assert cfg.train.global_batch == 64  # untouched keys keep their defaults
+
+
+def test_yaml_value_is_used_without_override(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CHORUS_TRAIN__MAX_VERSIONS", raising=False)
+    assert load_config(_write(tmp_path, BASE)).train.max_versions == 7
+
+
+def test_unknown_key_error_names_the_dotted_path(tmp_path: Path) -> None:
+    data = {**BASE, "models": {"a": {"optim": {"lr": 0.1, "momentum": 0.9}}, "b": {}}}
+    with pytest.raises(ConfigError) as exc:
+        load_config(_write(tmp_path, data))
+    assert "models.a.optim.momentum" in str(exc.value)
+    assert "unknown key" in str(exc.value)
+
+
+def test_bad_value_error_names_path_and_value(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"workflow\.group_size.*got 0"):
+        load_config(_write(tmp_path, {**BASE, "workflow": {"group_size": 0}}))
+
+
+def test_missing_file_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_non_mapping_yaml_is_rejected(tmp_path: Path) -> None:
+    p = tmp_path / "list.yaml"
+    p.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="expected a mapping"):
+        load_config(p)
+
+
+def test_agent_referencing_unknown_model_is_rejected(tmp_path: Path) -> None:
+    data = {**BASE, "agents": {"solver": {"model": "a"}, "verifier": {"model": "zzz"}}}
+    with pytest.raises(ConfigError, match=r"agents\.verifier\.model.*'zzz'"):
+        load_config(_write(tmp_path, data))
+
+
+def test_workflow_referencing_unknown_agent_is_rejected(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"workflow\.verifier.*'judge'"):
+        load_config(_write(tmp_path, {**BASE, "workflow": {"verifier": "judge"}}))
+
+
+def test_global_batch_must_hold_whole_groups(tmp_path: Path) -> None:
+    data = {**BASE, "workflow": {"group_size": 8}, "train": {"global_batch": 60}}
+    with pytest.raises(ConfigError, match="multiple of"):
+        load_config(_write(tmp_path, data))
+
+
+def test_run_id_must_be_a_subject_token(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="run.id"):
+        load_config(_write(tmp_path, {**BASE, "run": {"id": "has.dot"}}))
+
+
+def test_dumped_config_loads_back_identically(tmp_path: Path) -> None:
+    cfg = load_config(_write(tmp_path, BASE))
+    assert config_from_yaml_text(cfg.dump_yaml()) == cfg
+    assert cfg.run_dir == Path("runs") / "c1"
+    assert cfg.mq_capacity == (cfg.train.max_staleness + 1) * cfg.train.global_batch
