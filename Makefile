@@ -1,0 +1,38 @@
+# Chorus developer entry points. `make demo` and `make test` work on a fresh machine.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.chorus-installed
+TORCH_VERSION := 2.13.0
+# Set e.g. TORCH_INDEX=https://download.pytorch.org/whl/cpu where the default index only has CUDA wheels.
+TORCH_INDEX ?=
+CONFIG ?= configs/tiny-chain.yaml
+
+.PHONY: venv demo test e2e lint plot clean
+
+venv: $(STAMP)
+
+# torch goes in first and pinned: resolving it through the project's dependencies could pull a CUDA build.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) torch==$(TORCH_VERSION)
+	$(BIN)/pip install -e '.[dev]'
+	touch $(STAMP)
+
+demo: venv
+	$(BIN)/chorus up $(CONFIG)
+
+test: venv
+	$(BIN)/pytest -q -p no:cacheprovider
+
+e2e: venv
+	$(BIN)/pytest -q -p no:cacheprovider tests/e2e
+
+lint: venv
+	$(BIN)/ruff check shared services tests
+
+plot: venv
+	$(BIN)/chorus plot $$(ls -d runs/*/ | tail -n 1)
+
+clean:
+	rm -rf runs .pytest_cache .ruff_cache .hypothesis
