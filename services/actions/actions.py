@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -22,33 +23,40 @@ def register(kind: str) -> Callable[[Action], Action]:
     return wrap
 
 
+_LEADING_INT = re.compile(r"^-?\d+")
+NEAR_MISS_SCALE = 10.0  # a wrong number earns 0.5 * (1 - distance / NEAR_MISS_SCALE), floored at 0
+
+
 def leading_number(text: str) -> str:
     """The signed integer at the start of ``text`` (``"-12ab"`` -> ``"-12"``), or ``""``."""
-    end = 1 if text[:1] == "-" else 0
-    while end < len(text) and text[end].isdigit():
-        end += 1
-    number = text[:end]
-    return number if number not in ("", "-") else ""
+    match = _LEADING_INT.match(text)
+    return match.group(0) if match else ""
 
 
-def score_answer(expected: str, response: str, finished: bool) -> dict[str, Any]:
-    """Shaped reward: 1.0 exact and EOS-finished, 0.5 right prefix, 0.1 a wrong number, else 0.0."""
+def score_answer(expected: str, response: str, finished: bool = True) -> dict[str, Any]:
+    """Reward of one answer on a 0-1 scale, from the integer the response starts with.
+
+    1.0 when that integer equals the expected one; a wrong integer earns partial credit for being close,
+    ``0.5 * max(0, 1 - |got - expected| / 10)``; no leading integer earns 0. A non-integer ``expected``
+    is scored by exact text. ``finished`` (stopped on EOS) is reported, not scored: trailing text after the
+    number costs nothing, so a model that has the number right is never pushed away from it.
+    """
     text = response.strip()
     expected = expected.strip()
-    if finished and text == expected:
-        reward = 1.0
-    elif expected and text.startswith(expected):
-        reward = 0.5
-    elif text[:1].isdigit() or text[:1] == "-":
-        reward = 0.1
-    else:
+    answer = leading_number(text)
+    if _LEADING_INT.fullmatch(expected) is None:
+        reward = 1.0 if text == expected else 0.0
+    elif not answer:
         reward = 0.0
-    return {"reward": reward, "correct": reward == 1.0, "answer": leading_number(text)}
+    else:
+        distance = abs(int(answer) - int(expected))
+        reward = 1.0 if distance == 0 else 0.5 * max(0.0, 1.0 - distance / NEAR_MISS_SCALE)
+    return {"reward": reward, "correct": reward == 1.0, "answer": answer, "finished": bool(finished)}
 
 
 @register("check_answer")
 def check_answer(payload: dict[str, Any]) -> dict[str, Any]:
-    """Payload ``{"expected", "response", "finished"}`` -> ``{"reward", "correct", "answer"}``."""
+    """Payload ``{"expected", "response", "finished"}`` -> ``{"reward", "correct", "answer", "finished"}``."""
     expected, response = payload.get("expected"), payload.get("response")
     if not isinstance(expected, str) or not isinstance(response, str):
         raise ValueError(

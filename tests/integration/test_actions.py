@@ -46,13 +46,13 @@ async def test_check_answer_batch_is_scored_per_payload(actions: ActionsService,
     try:
         payloads = [
             {"expected": "7", "response": "7", "finished": True},
-            {"expected": "7", "response": "7x", "finished": True},
+            {"expected": "7", "response": "8x", "finished": False},
             {"expected": "7", "response": "3", "finished": True},
             {"expected": "7", "response": "?", "finished": True},
         ]
         res = await ask(nc, actions, ActionRequest(action_id="a1", kind="check_answer", payloads=payloads))
         assert res.action_id == "a1" and res.error is None
-        assert [r["reward"] for r in res.results] == [1.0, 0.5, 0.1, 0.0]
+        assert [r["reward"] for r in res.results] == pytest.approx([1.0, 0.45, 0.3, 0.0])
         assert [r["correct"] for r in res.results] == [True, False, False, False]
         assert res.errors == [None] * 4
     finally:

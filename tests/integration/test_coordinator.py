@@ -157,7 +157,7 @@ async def test_samples_of_both_agents_reach_their_models_streams(cluster: dict):
             assert s.episode == f"{task_id}/{s.rollout_idx}"
             assert (s.model, s.agent, s.turn, s.group_size, s.run) == (model, agent, turn, G, names.run)
             assert s.version == version and s.versions == {"solver_lm": 2, "verifier_lm": 5}
-            assert 0.0 <= s.reward <= 1.0 and s.reward in (0.0, 0.1, 0.5, 1.0)
+            assert 0.0 <= s.reward <= 1.0
             assert len(s.response_ids) == len(s.behavior_logprobs) >= 1
             assert all(lp <= 0.0 for lp in s.behavior_logprobs.tolist())
             assert s.prompt_ids.tolist()[0] == 257  # BOS

@@ -87,26 +87,43 @@ def test_scheduler_never_overcommits_and_serves_everyone_in_order(needs: list[in
     [
         ("7", True, 1.0, "7"),
         (" 7 ", True, 1.0, "7"),
-        ("7", False, 0.5, "7"),
-        ("7x", True, 0.5, "7"),
-        ("3", True, 0.1, "3"),
-        ("-2", True, 0.1, "-2"),
+        ("7", False, 1.0, "7"),
+        ("7x", True, 1.0, "7"),
+        ("3", True, 0.3, "3"),
+        ("8", True, 0.45, "8"),
+        ("-2", True, 0.05, "-2"),
+        ("70", True, 0.0, "70"),
         ("x7", True, 0.0, ""),
+        ("-", True, 0.0, ""),
         ("", True, 0.0, ""),
     ],
 )
-def test_check_answer_shapes_the_reward(response: str, finished: bool, reward: float, answer: str):
+def test_check_answer_gives_partial_credit_for_near_numbers(response: str, finished: bool, reward: float,
+                                                             answer: str):
     out = check_answer({"expected": "7", "response": response, "finished": finished})
-    assert out == {"reward": reward, "correct": reward == 1.0, "answer": answer}
+    assert out["reward"] == pytest.approx(reward)
+    assert (out["correct"], out["answer"], out["finished"]) == (reward == 1.0, answer, finished)
+
+
+def test_non_integer_answers_are_scored_by_exact_text():
+    assert score_answer("yes", " yes")["reward"] == 1.0
+    assert score_answer("yes", "yes!")["reward"] == 0.0
 
 
 @given(st.text(max_size=8), st.text(max_size=8), st.booleans())
-def test_score_is_always_one_of_the_four_levels(expected: str, response: str, finished: bool):
+def test_score_is_bounded_and_correct_only_at_one(expected: str, response: str, finished: bool):
     out = score_answer(expected, response, finished)
-    assert out["reward"] in (0.0, 0.1, 0.5, 1.0)
+    assert 0.0 <= out["reward"] <= 1.0
     assert out["correct"] == (out["reward"] == 1.0)
     assert response.strip().startswith(out["answer"])
     assert out["answer"] == leading_number(response.strip())
+
+
+@given(st.integers(-50, 50), st.integers(-50, 50))
+def test_closer_numbers_never_score_lower(expected: int, got: int):
+    near = score_answer(str(expected), str(got))["reward"]
+    nearer = score_answer(str(expected), str(got + (1 if got < expected else -1 if got > expected else 0)))
+    assert nearer["reward"] >= near
 
 
 def test_check_answer_rejects_non_string_fields():
@@ -126,7 +143,7 @@ async def test_pool_runs_actions_in_subprocesses(pool: WorkerPool):
     out = await pool.run("echo", {"x": 1}, timeout_s=5)
     assert out.error is None and out.result == {"x": 1}
     checked = await pool.run("check_answer", {"expected": "4", "response": "4", "finished": True}, 5)
-    assert checked.result == {"reward": 1.0, "correct": True, "answer": "4"}
+    assert checked.result == {"reward": 1.0, "correct": True, "answer": "4", "finished": True}
     assert os.getpid() not in pool.pids()
 
 
