@@ -1,0 +1,24 @@
+"""Helpers for end-to-end tests: a small two-model run config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.e2e
+
+
+def small_run_config(tmp_path: Path, run_id: str, **train: object) -> Path:
+    """configs/tiny-chain.yaml shrunk for a test: one group per step, quick versions."""
+    base = yaml.safe_load((ROOT / "configs" / "tiny-chain.yaml").read_text())
+    base["run"] = {"id": run_id, "dir": str(tmp_path / "runs"), "seed": 0}
+    base.pop("nats", None)
+    base.setdefault("train", {}).update({"checkpoint_every": 0, **train})
+    base["metrics_interval_s"] = 0.5
+    path = tmp_path / f"{run_id}.yaml"
+    path.write_text(yaml.safe_dump(base))
+    return path

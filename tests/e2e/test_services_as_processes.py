@@ -1,0 +1,161 @@
+"""Every service started alone with `chorus serve` against an external nats-server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import nats
+import pytest
+
+from shared.bus import kv_get_int
+from shared.codec import decode
+from shared.schemas import GenResponse, Sample
+from shared.subjects import Names
+from tests.e2e.cluster import Cluster
+from tests.e2e.conftest import small_run_config
+
+MODELS = ["solver_lm", "verifier_lm"]
+
+
+async def wait_for_versions(kv, cluster: Cluster, target: int, timeout_s: float) -> dict[str, int]:
+    deadline = time.monotonic() + timeout_s
+    versions: dict[str, int] = {}
+    while time.monotonic() < deadline:
+        versions = {m: await kv_get_int(kv, Names.trained_key(m)) for m in MODELS}
+        if all(v >= target for v in versions.values()):
+            return versions
+        dead = cluster.dead()
+        assert not dead, f"service died: {[p.key for p in dead]}\n{cluster.logs()}"
+        await asyncio.sleep(0.5)
+    raise AssertionError(f"versions {versions} did not reach {target} in {timeout_s}s\n{cluster.logs()}")
+
+
+async def test_every_service_runs_alone_and_bad_messages_go_to_dlq(nats_url, run_id, tmp_path):
+    cfg = small_run_config(tmp_path, run_id, max_versions=4, global_batch=8, micro_batch=8)
+    names = Names(run_id)
+    cluster = Cluster(cfg, nats_url, tmp_path / "logs")
+    nc = await nats.connect(nats_url)
+    try:
+        dlq: dict[str, list] = {"mq": [], "rollouter": []}
+
+        def collector(svc: str):
+            async def collect(msg) -> None:
+                dlq[svc].append(msg)
+            return collect
+
+        for svc in dlq:
+            await nc.subscribe(names.dlq(svc), cb=collector(svc))
+        cluster.start_all(MODELS)
+        js = nc.jetstream()
+        kv = None
+        for _ in range(200):  # the services create the run's KV bucket on start
+            try:
+                kv = await js.key_value(names.kv_bucket)
+                break
+            except Exception:
+                await asyncio.sleep(0.1)
+        assert kv is not None, cluster.logs()
+        await wait_for_versions(kv, cluster, 1, 180)
+
+        # Malformed messages on the data plane are rejected with a reason; nothing dies.
+        await js.publish(names.traj("solver_lm"), b"\xc1 not msgpack", headers={"Nats-Msg-Id": "garbage-1"})
+        reply = await nc.request(names.gen("verifier_lm"), b"\x93\x01\x02", timeout=30)
+        assert decode(GenResponse, reply.data).error
+        for _ in range(100):
+            if dlq["mq"] and dlq["rollouter"]:
+                break
+            await asyncio.sleep(0.1)
+        assert dlq["mq"] and dlq["mq"][0].headers["Chorus-Reason"]
+        assert dlq["rollouter"] and dlq["rollouter"][0].headers["Chorus-Reason"]
+
+        # Every kind of service answers the NATS micro service API.
+        pings: list[dict] = []
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(inbox)
+        await nc.publish("$SRV.PING", b"", reply=inbox)
+        t_end = time.monotonic() + 2
+        while time.monotonic() < t_end:
+            try:
+                msg = await sub.next_msg(timeout=0.5)
+            except Exception:
+                continue
+            pings.append(json.loads(msg.data))
+        kinds = {p["name"] for p in pings if p.get("metadata", {}).get("run") == run_id}
+        assert kinds >= {f"chorus-{s}" for s in ("coordinator", "rollouter", "mq", "trainer", "paramsync", "actions")}
+
+        await wait_for_versions(kv, cluster, 4, 180)
+        served = {m: await kv_get_int(kv, names.version_key(m)) for m in MODELS}
+        assert all(v >= 1 for v in served.values()), served
+    finally:
+        codes = cluster.stop_all()
+        await nc.close()
+    assert all(c == 0 for c in codes.values()), f"exit codes {codes}\n{cluster.logs()}"
+
+
+async def test_mq_killed_mid_run_loses_no_sample(nats_url, run_id, tmp_path):
+    """SIGKILL mq mid-run and start it again: every published sample is trained or counted as dropped."""
+    cfg = small_run_config(tmp_path, run_id, max_versions=10_000, global_batch=8, micro_batch=8, max_staleness=2)
+    names = Names(run_id)
+    cluster = Cluster(cfg, nats_url, tmp_path / "logs")
+    nc = await nats.connect(nats_url)
+    published: dict[str, set[str]] = {m: set() for m in MODELS}
+    version_of: dict[str, int] = {}
+    trained: dict[str, set[str]] = {m: set() for m in MODELS}
+    dropped: dict[str, set[str]] = {m: set() for m in MODELS}
+    staleness_violations: list[str] = []
+
+    async def on_traj(msg) -> None:
+        s = decode(Sample, msg.data)
+        published[s.model].add(s.sample_id)
+        version_of[s.sample_id] = s.version
+
+    async def on_event(msg) -> None:
+        ev = json.loads(msg.data)
+        if ev.get("kind") == "step":
+            trained[ev["model"]].update(ev["sample_ids"])
+            for sid in ev["sample_ids"]:
+                if sid in version_of and (ev["version"] - 1) - version_of[sid] > 2:
+                    staleness_violations.append(sid)
+        elif ev.get("kind") == "drop":
+            dropped[ev["model"]].update(ev["sample_ids"])
+
+    try:
+        for m in MODELS:
+            await nc.subscribe(names.traj(m), cb=on_traj)
+        await nc.subscribe(names.events("trainer"), cb=on_event)
+        await nc.subscribe(names.events("mq"), cb=on_event)
+        cluster.start_all(MODELS)
+        js = nc.jetstream()
+        kv = None
+        for _ in range(200):
+            try:
+                kv = await js.key_value(names.kv_bucket)
+                break
+            except Exception:
+                await asyncio.sleep(0.1)
+        assert kv is not None
+        await wait_for_versions(kv, cluster, 2, 180)
+
+        cluster.kill("mq-solver_lm-0")
+        await asyncio.sleep(3)  # samples keep arriving while mq is down
+        cluster.start("mq", "solver_lm")
+        before = await kv_get_int(kv, names.trained_key("solver_lm"))
+        await wait_for_versions(kv, cluster, before + 3, 180)
+
+        cluster.kill("coordinator-0", sig=15)  # graceful: no new samples after this
+        for m in MODELS:
+            deadline = time.monotonic() + 90
+            while time.monotonic() < deadline:
+                if published[m] <= trained[m] | dropped[m]:
+                    break
+                await asyncio.sleep(0.5)
+        for m in MODELS:
+            missing = published[m] - trained[m] - dropped[m]
+            assert not missing, f"{m}: {len(missing)} of {len(published[m])} samples lost\n{cluster.logs()}"
+            assert len(published[m]) > 0
+        assert not staleness_violations
+    finally:
+        cluster.stop_all()
+        await nc.close()
