@@ -27,7 +27,7 @@ from shared.service import Service
 FETCH_BATCH = 256
 FETCH_TIMEOUT_S = 0.25
 # Held samples wait for their group; keep-alive acks stop redelivery, a SIGKILLed mq's hold expires after this.
-ACK_WAIT_S = 60.0
+ACK_WAIT_S = 15.0
 PUBLISH_TIMEOUT_S = 5.0
 BACKOFF_S = (0.05, 1.0)  # first and largest wait between ready-stream publish attempts
 STREAM_FULL_CODE = 10077  # JetStream: maximum messages exceeded (DiscardNew)
