@@ -138,7 +138,7 @@ async def fetch(sub: JetStreamContext.PullSubscription, batch: int, timeout_s: f
     """Fetch up to ``batch`` messages; an empty list on timeout."""
     try:
         return await sub.fetch(batch, timeout=timeout_s)
-    except (TimeoutError, asyncio.TimeoutError, nats.errors.TimeoutError):
+    except (TimeoutError, nats.errors.TimeoutError):
         return []
 
 

@@ -7,7 +7,6 @@ import json
 import time
 
 import nats
-import pytest
 
 from shared.bus import kv_get_int
 from shared.codec import decode
