@@ -14,8 +14,9 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Coroutine
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
+import nats.errors
 import structlog
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
@@ -23,14 +24,16 @@ from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 from nats.micro import add_service
 from nats.micro.request import Request
+from pydantic import BaseModel
 
 from shared.bus import connect, ensure_run
-from shared.codec import encode_json
+from shared.codec import DecodeError, decode, encode_json
 from shared.config import ChorusConfig, ConfigError, load_config
 from shared.logs import setup_logging
 from shared.subjects import Names
 
 VERSION = "0.1.0"
+M = TypeVar("M", bound=BaseModel)
 
 
 class Service:
@@ -171,6 +174,32 @@ class Service:
         return task
 
     # --- helpers --------------------------------------------------------------------------
+    def decode_own(self, cls: type[M], data: bytes) -> M:
+        """Decode a per-model message; one addressed to another model is a :class:`DecodeError` too."""
+        message = decode(cls, data)
+        model = getattr(message, "model", None)
+        if model != self.model:
+            raise DecodeError(f"{cls.__name__} for model {model!r} on a subject of model {self.model!r}")
+        return message
+
+    async def finish_task(self, task: asyncio.Task[Any] | None, timeout_s: float) -> None:
+        """Give a loop that is finishing its work in hand up to ``timeout_s`` during teardown."""
+        if task is None or task.done():
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(task), timeout=timeout_s)
+        except (TimeoutError, asyncio.CancelledError):
+            self.log.warning("loop did not finish in time", task=task.get_name(), timeout_s=timeout_s)
+
+    async def release(self, sub: Any) -> None:
+        """Unsubscribe a pull subscription at teardown, so a late reply to its last fetch cannot stall drain()."""
+        if sub is None:
+            return
+        try:
+            await sub.unsubscribe()
+        except nats.errors.Error as exc:
+            self.log.warning("unsubscribe failed", error=f"{type(exc).__name__}: {exc}")
+
     async def to_dlq(self, subject: str, data: bytes, reason: str) -> None:
         """Reject a message: publish it unchanged on ``dlq.<service>`` with the reason in headers, count it."""
         self.counters["dlq"] += 1

@@ -20,7 +20,7 @@ from nats.js.errors import APIError
 
 from services.mq.experience_store import AddKind, Dropped, ExperienceStore, Take
 from shared.bus import fetch, kv_get_int, pull_consumer
-from shared.codec import DecodeError, decode, encode, encode_json
+from shared.codec import DecodeError, encode, encode_json
 from shared.schemas import DepthReport, DropEvent, MicroBatch, Sample
 from shared.service import Service
 
@@ -74,22 +74,11 @@ class MqService(Service):
 
     async def teardown(self) -> None:
         """Finish the batch in hand, then give held samples back (nak) so the next mq gets them at once."""
-        task = getattr(self, "_main", None)
-        if task is not None and not task.done():
-            try:
-                await asyncio.wait_for(asyncio.shield(task), timeout=15)
-            except (TimeoutError, asyncio.CancelledError):
-                self.log.warning("consume loop did not finish in time")
+        await self.finish_task(getattr(self, "_main", None), 15)
         store = getattr(self, "store", None)
         if store is not None:
             await self._settle(store.handles(), "nak")
-        sub = getattr(self, "sub", None)
-        if sub is not None:
-            # A late status reply to the last fetch would otherwise sit unread and stall drain().
-            try:
-                await sub.unsubscribe()
-            except nats.errors.Error as exc:
-                self.log.warning("unsubscribe failed", error=f"{type(exc).__name__}: {exc}")
+        await self.release(getattr(self, "sub", None))
         await self.nc.flush(timeout=5)
 
     def extra_metrics(self) -> dict[str, Any]:
@@ -165,9 +154,7 @@ class MqService(Service):
         to_ack: list[Msg] = []
         for msg in msgs:
             try:
-                sample = decode(Sample, msg.data)
-                if sample.model != self.model:
-                    raise DecodeError(f"sample for model {sample.model!r} on the traj subject of {self.model!r}")
+                sample = self.decode_own(Sample, msg.data)
             except DecodeError as exc:
                 await self.to_dlq(msg.subject, msg.data, exc.reason)
                 await self._settle([msg], "term")

@@ -50,9 +50,7 @@ class ParamSyncService(Service):
 
     async def _on_announce(self, msg: Msg) -> None:
         try:
-            ann = decode(WeightsAnnounce, msg.data)
-            if ann.model != self.model:
-                raise DecodeError(f"announce for model {ann.model!r} on the subject of {self.model!r}")
+            ann = self.decode_own(WeightsAnnounce, msg.data)
         except DecodeError as exc:
             await self.to_dlq(msg.subject, msg.data, exc.reason)
             return

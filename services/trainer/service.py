@@ -94,22 +94,12 @@ class TrainerService(Service):
 
     async def teardown(self) -> None:
         """Finish the message in hand, give unstepped micro-batches back (nak) for prompt redelivery."""
-        task = getattr(self, "_consume_task", None)
-        if task is not None and not task.done():
-            try:
-                await asyncio.wait_for(asyncio.shield(task), timeout=20)
-            except (TimeoutError, asyncio.CancelledError):
-                self.log.warning("consume loop did not finish in time")
+        await self.finish_task(getattr(self, "_consume_task", None), 20)
         for msg in self.held + self.queue:
             await self._safe(msg.nak)
         self.held, self.queue = [], []
         # A late status reply to the last fetch would sit unread in the pull subscription and stall drain().
-        sub = getattr(self, "sub", None)
-        if sub is not None:
-            try:
-                await sub.unsubscribe()
-            except nats.errors.Error as exc:
-                self.log.warning("unsubscribe failed", error=f"{type(exc).__name__}: {exc}")
+        await self.release(getattr(self, "sub", None))
         await self.nc.flush(timeout=5)
         self._pool.shutdown(wait=False, cancel_futures=True)
 

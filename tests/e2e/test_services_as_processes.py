@@ -88,7 +88,7 @@ async def test_every_service_runs_alone_and_bad_messages_go_to_dlq(nats_url, run
         served = {m: await kv_get_int(kv, names.version_key(m)) for m in MODELS}
         assert all(v >= 1 for v in served.values()), served
     finally:
-        codes = cluster.stop_all()
+        codes = await cluster.stop_all()
         await nc.close()
     assert all(c == 0 for c in codes.values()), f"exit codes {codes}\n{cluster.logs()}"
 
@@ -156,5 +156,5 @@ async def test_mq_killed_mid_run_loses_no_sample(nats_url, run_id, tmp_path):
             assert len(published[m]) > 0
         assert not staleness_violations
     finally:
-        cluster.stop_all()
+        await cluster.stop_all()
         await nc.close()
