@@ -8,7 +8,7 @@ TORCH_VERSION := 2.13.0
 TORCH_INDEX ?=
 CONFIG ?= configs/tiny-chain.yaml
 
-.PHONY: venv demo test e2e lint plot clean
+.PHONY: venv demo test e2e lint plot bench clean
 
 venv: $(STAMP)
 
@@ -29,7 +29,10 @@ e2e: venv
 	$(BIN)/pytest -q -p no:cacheprovider tests/e2e
 
 lint: venv
-	$(BIN)/ruff check shared services tests
+	$(BIN)/ruff check shared services tests loadtests
+
+bench: venv
+	$(BIN)/python loadtests/bus_throughput.py
 
 plot: venv
 	$(BIN)/chorus plot $$(ls -d runs/*/ | tail -n 1)
