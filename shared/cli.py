@@ -95,8 +95,8 @@ def plot(
     out: Annotated[Path | None, typer.Option("--out", "-o", help="PNG path (default RUN_DIR/reward.png)")] = None,
 ) -> None:
     """Plot reward and staleness per version from a run's metrics.jsonl and print the summary."""
-    from shared.plotting import plot_run, summarize
-    from shared.supervisor import summary_table
+    from shared.plotting import load_evals, plot_run, summarize
+    from shared.supervisor import eval_table, summary_table
 
     metrics = run_dir if run_dir.is_file() else run_dir / "metrics.jsonl"
     if not metrics.is_file():
@@ -109,6 +109,9 @@ def plot(
         raise typer.Exit(1) from None
     console.print(f"wrote {png}")
     console.print(summary_table(summarize(metrics)))
+    evals = load_evals(metrics)
+    if evals:
+        console.print(eval_table(evals))
 
 
 async def _status(cfg: ChorusConfig, url: str) -> Table:

@@ -1,4 +1,9 @@
-"""Reward curves and run summaries from a run's ``metrics.jsonl`` (one StepRecord per line)."""
+"""Reward curves and run summaries from a run's ``metrics.jsonl``.
+
+The file holds one trainer step record per line (``model``, ``version``, ``reward_mean`` ...) and, when
+evaluation is on, held-out evaluation records (``"kind": "eval"``, ``version``, ``pass1`` per agent,
+``final`` for the workflow's final answer).
+"""
 
 from __future__ import annotations
 
@@ -22,9 +27,34 @@ def load_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
             rec = json.loads(line)
         except ValueError:
             continue  # a line cut short by a crash must not hide the rest of the run
-        if isinstance(rec, dict) and "model" in rec and "version" in rec:
+        if isinstance(rec, dict) and "model" in rec and "version" in rec and rec.get("kind", "step") == "step":
             records.append(rec)
     return records
+
+
+def load_evals(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Held-out evaluation records, in version order."""
+    evals: list[dict[str, Any]] = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and rec.get("kind") == "eval" and "version" in rec:
+            evals.append(rec)
+    return sorted(evals, key=lambda r: (int(r["version"]), float(r.get("time", 0.0))))
+
+
+def eval_table_rows(evals: list[dict[str, Any]]) -> list[tuple[str, float, float]]:
+    """(what, first, last) of the first and last evaluation: per-agent pass@1 and the final answer's."""
+    if not evals:
+        return []
+    first, last = evals[0], evals[-1]
+    rows = [(f"agent {a}", float(first["pass1"][a]), float(last["pass1"][a]))
+            for a in sorted(first.get("pass1") or {}) if a in (last.get("pass1") or {})]
+    if "final" in first and "final" in last:
+        rows.append(("final answer", float(first["final"]), float(last["final"])))
+    return rows
 
 
 def by_model(records: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
@@ -64,7 +94,11 @@ def plot_run(metrics_path: str | os.PathLike[str], out_path: str | os.PathLike[s
     models = by_model(load_metrics(metrics_path))
     if not models:
         raise ValueError(f"{metrics_path} has no step records (lines with model, version, reward_mean)")
-    fig, (ax_r, ax_s) = plt.subplots(2, 1, figsize=(9, 7), sharex=True, height_ratios=[2, 1])
+    evals = load_evals(metrics_path)
+    if evals:
+        fig, (ax_r, ax_s, ax_e) = plt.subplots(3, 1, figsize=(9, 9.5), sharex=True, height_ratios=[2, 1, 1.5])
+    else:
+        fig, (ax_r, ax_s) = plt.subplots(2, 1, figsize=(9, 7), sharex=True, height_ratios=[2, 1])
     for model, recs in models.items():
         versions = [int(r["version"]) for r in recs]
         line = ax_r.plot(versions, [float(r["reward_mean"]) for r in recs], label=model, linewidth=1.8)[0]
@@ -81,8 +115,22 @@ def plot_run(metrics_path: str | os.PathLike[str], out_path: str | os.PathLike[s
     ax_r.grid(alpha=0.3)
     ax_r.legend(fontsize=8)
     ax_s.set_ylabel("staleness (mean)")
-    ax_s.set_xlabel("version (optimizer steps)")
     ax_s.grid(alpha=0.3)
+    bottom = ax_s
+    if evals:
+        versions = [int(e["version"]) for e in evals]
+        for agent in sorted({a for e in evals for a in (e.get("pass1") or {})}):
+            pts = [(int(e["version"]), float(e["pass1"][agent])) for e in evals if agent in (e.get("pass1") or {})]
+            ax_e.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", linestyle="--", label=f"agent {agent}")
+        if all("final" in e for e in evals):
+            ax_e.plot(versions, [float(e["final"]) for e in evals], marker="s", linewidth=2.0, color="black",
+                      label="final answer")
+        ax_e.set_ylabel("held-out pass@1")
+        ax_e.set_ylim(-0.02, 1.02)
+        ax_e.grid(alpha=0.3)
+        ax_e.legend(fontsize=8)
+        bottom = ax_e
+    bottom.set_xlabel("version (optimizer steps)")
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)

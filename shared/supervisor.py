@@ -29,7 +29,7 @@ from shared.bus import connect, ensure_run, kv_get_int
 from shared.codec import DecodeError, decode_json
 from shared.config import ChorusConfig, load_config
 from shared.natsserver import NatsServer
-from shared.plotting import plot_run, summarize
+from shared.plotting import eval_table_rows, load_evals, plot_run, summarize
 from shared.progress import ProgressView, RunTracker
 from shared.subjects import Names
 
@@ -316,6 +316,19 @@ def _report(run_dir: Path, console: Console) -> None:
     except ValueError as exc:
         console.print(f"[yellow]no plot: {exc}")
     console.print(summary_table(summarize(metrics)))
+    evals = load_evals(metrics)
+    if evals:
+        console.print(eval_table(evals))
+
+
+def eval_table(evals: list[dict[str, Any]]) -> Table:
+    first, last = evals[0], evals[-1]
+    t = Table(title=f"held-out pass@1 ({first.get('n', '?')} tasks): version {first['version']} -> {last['version']}")
+    for col in ("", "before", "after", "delta"):
+        t.add_column(col, justify="left" if not col else "right")
+    for what, a, b in eval_table_rows(evals):
+        t.add_row(what, f"{a:.3f}", f"{b:.3f}", f"{b - a:+.3f}")
+    return t
 
 
 def summary_table(summary: dict[str, dict[str, float]]) -> Table:

@@ -83,6 +83,21 @@ def test_plot_command_writes_a_png_and_prints_the_summary(tmp_path: Path) -> Non
     assert "+0.800" in r.output
 
 
+def test_eval_records_are_plotted_and_summarised_but_not_counted_as_steps(tmp_path: Path) -> None:
+    m = tmp_path / "metrics.jsonl"
+    _write_metrics(m)
+    with m.open("a") as fh:
+        for v, (p, f) in zip((0, 5, 10), ((0.25, 0.2), (0.5, 0.4), (0.75, 0.7)), strict=True):
+            fh.write(json.dumps({"kind": "eval", "version": v, "n": 20, "pass1": {"solver": p}, "final": f}) + "\n")
+    assert summarize(m)["a"]["steps"] == 10
+    r = CliRunner().invoke(app, ["plot", str(tmp_path)])
+    assert r.exit_code == 0, r.output
+    assert "held-out pass@1" in r.output
+    assert "0.250 │ 0.750 │ +0.500" in r.output  # solver
+    assert "0.200 │ 0.700 │ +0.500" in r.output  # final answer
+    assert (tmp_path / "reward.png").stat().st_size > 0
+
+
 def test_plot_of_a_directory_without_metrics_fails(tmp_path: Path) -> None:
     r = CliRunner().invoke(app, ["plot", str(tmp_path)])
     assert r.exit_code == 2
