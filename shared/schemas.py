@@ -67,8 +67,16 @@ class GenRequest(Message):
     max_new_tokens: int = Field(gt=0, le=4096)
     temperature: float = Field(default=1.0, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    adapter: str | None = None
+    adapter: str | None = None  # a LoRA adapter of the model; None: the base model with adapters disabled
     stop_ids: list[int] = Field(default_factory=list)
+    stop: list[str] = Field(default_factory=list, max_length=16)  # a row ends once its text contains one
+
+    @field_validator("stop")
+    @classmethod
+    def _non_empty_stops(cls, v: list[str]) -> list[str]:
+        if any(not s for s in v):
+            raise ValueError("stop strings must be non-empty (an empty one would stop every row at once)")
+        return v
 
 
 class GenOutput(Message):

@@ -1,7 +1,8 @@
 """Dynamic batching in front of one engine: merge requests arriving within a window, one generation at a time.
 
 Every engine call and every weight load runs on the same single worker thread, so a generation never sees
-two weight versions. Pause stops admitting (queued requests wait), drain waits for in-flight work.
+two weight versions. Requests with different sampling settings and different LoRA adapters share a batch:
+both are per row in the engine. Pause stops admitting (queued requests wait), drain waits for in-flight work.
 """
 
 from __future__ import annotations
@@ -25,11 +26,12 @@ class RequestExpired(TimeoutError):
 
 @dataclass
 class Job:
-    """One request: its rows share the sampling settings; answered as a whole with one version."""
+    """One request: its rows share the sampling settings and adapter; answered as a whole with one version."""
 
     prompts: list[list[int]]
     params: SamplingParams
     future: asyncio.Future[tuple[int, list[GenResult]]]
+    adapter: str | None = None
     enqueued_at: float = field(default_factory=time.monotonic)
 
 
@@ -41,6 +43,7 @@ class BatchStats:
     tokens: int = 0
     busy_s: float = 0.0
     max_requests_per_batch: int = 0
+    max_adapters_per_batch: int = 0  # distinct adapters (the base counts as one) generated together
     expired: int = 0
 
     @property
@@ -76,10 +79,15 @@ class Batcher:
     def paused(self) -> bool:
         return not self._admitting.is_set()
 
-    def submit(self, prompts: list[list[int]], params: SamplingParams) -> asyncio.Future[tuple[int, list[GenResult]]]:
-        """Queue a request; the future resolves to (version, one result per prompt)."""
+    def submit(self, prompts: list[list[int]], params: SamplingParams,
+               adapter: str | None = None) -> asyncio.Future[tuple[int, list[GenResult]]]:
+        """Queue a request; the future resolves to (version, one result per prompt).
+
+        An adapter the engine lacks raises :class:`UnknownAdapter` here, so it never fails a merged batch.
+        """
+        self.engine.check_adapter(adapter)
         fut: asyncio.Future[tuple[int, list[GenResult]]] = asyncio.get_running_loop().create_future()
-        self._queue.append(Job(prompts, params, fut))
+        self._queue.append(Job(prompts, params, fut, adapter))
         self._work.set()
         return fut
 
@@ -173,10 +181,11 @@ class Batcher:
     async def _execute(self, jobs: Sequence[Job]) -> None:
         prompts = [p for j in jobs for p in j.prompts]
         params = [j.params for j in jobs for _ in j.prompts]
+        adapters = [j.adapter for j in jobs for _ in j.prompts]
         t0 = time.perf_counter()
         try:
             version, results = await asyncio.get_running_loop().run_in_executor(
-                self.executor, self._generate, prompts, params)
+                self.executor, self._generate, prompts, params, adapters)
         except Exception as exc:  # a failed generation answers its requests with the error
             for j in jobs:
                 if not j.future.done():
@@ -188,6 +197,7 @@ class Batcher:
         self.stats.rows += len(prompts)
         self.stats.tokens += sum(len(r.ids) for r in results)
         self.stats.max_requests_per_batch = max(self.stats.max_requests_per_batch, len(jobs))
+        self.stats.max_adapters_per_batch = max(self.stats.max_adapters_per_batch, len(set(adapters)))
         start = 0
         for j in jobs:
             part = results[start : start + len(j.prompts)]
@@ -195,10 +205,11 @@ class Batcher:
             if not j.future.done():
                 j.future.set_result((version, part))
 
-    def _generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[int, list[GenResult]]:
+    def _generate(self, prompts: list[list[int]], params: list[SamplingParams],
+                  adapters: list[str | None]) -> tuple[int, list[GenResult]]:
         # Runs on the worker thread: the version is read where the weights are used, so it is exact.
         version = self.engine.version
-        return version, self.engine.generate(prompts, params)
+        return version, self.engine.generate(prompts, params, adapters)
 
     def snapshot(self) -> dict[str, Any]:
         s = self.stats
@@ -206,5 +217,6 @@ class Batcher:
             "in_flight": self.in_flight, "queued": self.queued, "paused": self.paused,
             "batches": s.batches, "requests": s.requests, "rows_generated": s.rows, "tokens": s.tokens,
             "tokens_per_s": round(s.tokens_per_s, 1), "max_requests_per_batch": s.max_requests_per_batch,
+            "max_adapters_per_batch": s.max_adapters_per_batch,
             "expired": s.expired,
         }

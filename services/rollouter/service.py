@@ -1,4 +1,7 @@
-"""Rollouter service: answers GenRequests on the bus, obeys paramsync's pause/load/resume control."""
+"""Rollouter service: answers GenRequests on the bus, obeys paramsync's pause/load/resume control.
+
+A LoRA model serves all its adapters from one engine; a request names its adapter, or none for the base.
+"""
 
 from __future__ import annotations
 
@@ -16,13 +19,13 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from services.rollouter.batcher import Batcher
-from services.rollouter.engine import SamplingParams, TorchEngine
+from services.rollouter.engine import SamplingParams, TorchEngine, UnknownAdapter
 from shared.bus import kv_get_int
 from shared.codec import DecodeError, decode, encode
-from shared.modeling import build_model
+from shared.config import ChorusConfig
+from shared.models import Tokenizer, load_model, load_tokenizer
 from shared.schemas import Array, GenOutput, GenRequest, GenResponse, RolloutControl, RolloutControlReply
 from shared.service import Service
-from shared.tokenizer import VOCAB_SIZE
 from shared.weights import load_into, unpack
 
 VERBS = ("pause", "load", "resume", "info")
@@ -33,10 +36,13 @@ class BadRequest(ValueError):
     """A GenRequest that decodes but cannot be served."""
 
 
-def request_prompts(req: GenRequest, vocab_size: int = VOCAB_SIZE) -> list[list[int]]:
-    """Validate a request's prompts (non-empty 1-d integer arrays of known token ids) into lists."""
-    if req.adapter is not None:
-        raise BadRequest(f"adapter {req.adapter!r} requested but this rollouter serves the base model only")
+def request_prompts(req: GenRequest, engine: TorchEngine) -> list[list[int]]:
+    """Validate a request's adapter and prompts (non-empty 1-d integer arrays of known token ids) into lists."""
+    try:
+        engine.check_adapter(req.adapter)
+    except UnknownAdapter as exc:
+        raise BadRequest(str(exc)) from None
+    vocab_size = engine.vocab_size
     if not req.prompts:
         raise BadRequest("request has no prompts")
     out: list[list[int]] = []
@@ -63,7 +69,13 @@ def load_weights(engine: TorchEngine, model: str, blob: memoryview, *, version: 
         raise ValueError(f"weights object holds v{header.version}, control asked for v{version}")
     if checksum is not None and header.checksum != checksum:
         raise ValueError(f"weights header checksum {header.checksum} != announced {checksum}")
-    digest = load_into(engine.named_tensors(), header, body, verify=True)
+    named = engine.named_tensors()
+    # load_into accepts a subset; an update must carry every shipped tensor, or adapters would drift apart
+    missing = sorted(set(named) - {s.name for s in header.slots})
+    if missing:
+        raise ValueError(f"weights for {model} v{header.version} lack {len(missing)} of the {len(named)} tensors this "
+                         f"rollouter serves, e.g. {missing[:3]} (do both sides build models.{model} the same way?)")
+    digest = load_into(named, header, body, verify=True)
     engine.version = header.version
     return digest
 
@@ -82,10 +94,12 @@ class RollouterService(Service):
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engine-{self.model}")
         loop = asyncio.get_running_loop()
         torch.set_num_threads(rc.threads)
-        net = await loop.run_in_executor(self._executor, build_model, self.cfg, self.model)
+        # Loading a real model takes seconds: on the engine's thread, never on the event loop.
+        net, tok = await loop.run_in_executor(self._executor, _load, self.cfg, self.model)
         seed = int.from_bytes(hashlib.sha256(f"{self.cfg.run.seed}:{self.model}:{self.instance}".encode())
                               .digest()[:4], "little")
-        self.engine = TorchEngine(net, seed=seed, max_batch=rc.max_batch)
+        self.engine = TorchEngine(net, tok, seed=seed, max_batch=rc.max_batch)
+        self.log.info("model loaded", adapters=list(self.engine.adapters), vocab_size=self.engine.vocab_size)
         self.batcher = Batcher(self.engine, self._executor, max_batch=rc.max_batch,
                                window_s=rc.batch_window_ms / 1000.0, request_timeout_s=rc.request_timeout_s)
         self.checksum: str | None = None
@@ -124,22 +138,22 @@ class RollouterService(Service):
     def extra_metrics(self) -> dict[str, Any]:
         if not hasattr(self, "batcher"):
             return {}
-        return {"version": self.engine.version, **self.batcher.snapshot()}
+        return {"version": self.engine.version, "adapters": list(self.engine.adapters), **self.batcher.snapshot()}
 
     # --- generation ----------------------------------------------------------------------
     async def _on_gen(self, msg: Msg) -> None:
         # Never await generation here: callbacks of one subscription run one after another.
         try:
             req = decode(GenRequest, msg.data)
-            prompts = request_prompts(req)
+            prompts = request_prompts(req, self.engine)
         except (DecodeError, BadRequest) as exc:
             reason = exc.reason if isinstance(exc, DecodeError) else str(exc)
             await self._reject(msg, reason, request_id=_request_id(msg.data))
             return
         self.counters["requests"] += 1
         params = SamplingParams(max_new_tokens=req.max_new_tokens, temperature=req.temperature,
-                                top_p=req.top_p, stop_ids=tuple(req.stop_ids))
-        fut = self.batcher.submit(prompts, params)
+                                top_p=req.top_p, stop_ids=tuple(req.stop_ids), stop=tuple(req.stop))
+        fut = self.batcher.submit(prompts, params, req.adapter)
         task = asyncio.create_task(self._answer(msg, req.request_id, fut))
         self._replies.add(task)
         task.add_done_callback(self._replies.discard)
@@ -262,6 +276,11 @@ class RollouterService(Service):
             self.counters["catch_up_failures"] += 1
             self.log.warning("could not load served weights; starting from v0", version=version,
                              error=f"{type(exc).__name__}: {exc}")
+
+
+def _load(cfg: ChorusConfig, model: str) -> tuple[Any, Tokenizer]:
+    """The network and tokenizer of ``model`` (worker thread)."""
+    return load_model(cfg, model), load_tokenizer(cfg, model)
 
 
 def _request_id(data: bytes) -> str:

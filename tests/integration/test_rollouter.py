@@ -9,12 +9,16 @@ from pathlib import Path
 
 import nats
 import pytest
+import torch
 
+from services.rollouter.engine import SamplingParams, TorchEngine
 from services.rollouter.service import RollouterService
 from shared.codec import decode, encode
 from shared.config import ChorusConfig, load_config
+from shared.models import load_model, shipped_tensors
 from shared.schemas import Array, GenRequest, GenResponse, RolloutControl, RolloutControlReply
 from shared.tokenizer import BOS_ID, ByteTokenizer
+from shared.weights import flatten, pack
 
 MODEL = "m"
 
@@ -198,6 +202,79 @@ async def test_a_pause_without_a_controller_expires_and_the_instance_resumes(nat
                 break
             await asyncio.sleep(0.1)
         assert not svc.batcher.paused and svc.counters["auto_resumes"] == 1
+    finally:
+        await nc.close()
+        svc.stop()
+        assert await asyncio.wait_for(task, 30) == 0
+
+
+def write_lora_config(tmp_path: Path, run_id: str) -> ChorusConfig:
+    p = tmp_path / "lora.yaml"
+    p.write_text(
+        f"run: {{id: {run_id}, dir: {tmp_path / 'runs'}}}\n"
+        f"models: {{{MODEL}: {{lora: {{r: 4}}, rollouter: {{batch_window_ms: 200, max_batch: 16}}}}}}\n"
+        f"agents: {{solver: {{model: {MODEL}, adapter: sol}}, verifier: {{model: {MODEL}, adapter: ver}}}}\n"
+    )
+    return load_config(p)
+
+
+async def test_a_lora_rollouter_serves_each_adapter_and_refuses_unknown_ones(nats_url: str, run_id: str,
+                                                                              tmp_path: Path) -> None:
+    cfg = write_lora_config(tmp_path, run_id)
+    # v1: adapters that differ from each other (fresh ones are no-ops), shipped as the trainer ships them
+    trained = load_model(cfg, MODEL).eval()
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for t in shipped_tensors(trained, lora=True).values():
+            t.add_(torch.randn(t.shape, generator=gen) * 0.3)
+    header, buf = flatten(MODEL, 1, shipped_tensors(trained, lora=True))
+    local = TorchEngine(trained)
+    texts = ["1+2=", "hello"]
+    prompts = [ByteTokenizer().encode(t) for t in texts]
+    expected = {a: local.generate(prompts, [SamplingParams(max_new_tokens=6, temperature=0.0)] * 2, [a] * 2)
+                for a in ("sol", "ver")}
+    assert [r.ids for r in expected["sol"]] != [r.ids for r in expected["ver"]]  # a misrouted row would show
+
+    svc = RollouterService(cfg, nats_url=nats_url, instance="0", model=MODEL)
+    task = await start(svc)
+    nc = await nats.connect(nats_url)
+    try:
+        obj = await nc.jetstream().object_store(svc.names.obj_bucket)
+        await obj.put(svc.names.weights_object(MODEL, 1), pack(header, buf))
+        m = await nc.request(svc.names.rollout_control(MODEL, "0", "load"),
+                             encode(RolloutControl(verb="load", version=1, object_name=svc.names.weights_object(MODEL, 1),
+                                                   checksum=header.checksum, timeout_s=10)), timeout=15)
+        loaded = decode(RolloutControlReply, m.data)
+        assert loaded.ok and loaded.version == 1 and loaded.checksum == header.checksum
+
+        reqs = [nc.request(svc.names.gen(MODEL), request(a, texts, max_new_tokens=6, temperature=0.0, adapter=a),
+                           timeout=20) for a in ("sol", "ver")]
+        replies = {r.request_id: r for r in (decode(GenResponse, m.data) for m in await asyncio.gather(*reqs))}
+        for a in ("sol", "ver"):
+            assert replies[a].error is None and replies[a].version == 1
+            for o, r in zip(replies[a].outputs, expected[a], strict=True):
+                assert o.ids.tolist() == r.ids
+                assert torch.allclose(torch.tensor(o.logprobs.tolist()), torch.tensor(r.logprobs), atol=1e-4)
+        assert svc.batcher.stats.max_adapters_per_batch == 2  # both adapters in one forward pass per step
+
+        # stop strings travel with the request: the row ends once its text contains one
+        tok = ByteTokenizer()
+        stop = tok.decode(expected["ver"][0].ids[2:4])
+        m = await nc.request(svc.names.gen(MODEL), request("s", texts[:1], max_new_tokens=6, temperature=0.0,
+                                                          adapter="ver", stop=[stop]), timeout=20)
+        out = decode(GenResponse, m.data).outputs[0]
+        assert out.finish == "stop" and stop in tok.decode(out.ids.tolist())
+        assert out.ids.tolist() == expected["ver"][0].ids[: len(out.ids)] and len(out.ids) <= 4
+
+        dlq_before = svc.counters["dlq"]
+        m = await nc.request(svc.names.gen(MODEL), request("u", texts, max_new_tokens=2, adapter="nope"), timeout=10)
+        bad = decode(GenResponse, m.data)
+        assert bad.request_id == "u" and bad.error and "'nope'" in bad.error and "sol" in bad.error
+        assert svc.counters["dlq"] == dlq_before + 1
+        m = await nc.request(svc.names.gen(MODEL), request("after", texts[:1], max_new_tokens=2, adapter="sol"),
+                             timeout=20)
+        after = decode(GenResponse, m.data)
+        assert after.error is None and after.version == 1 and len(after.outputs[0].ids) >= 1
     finally:
         await nc.close()
         svc.stop()

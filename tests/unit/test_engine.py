@@ -167,3 +167,8 @@ async def test_requests_waiting_past_their_timeout_expire(engine: TorchEngine) -
         finally:
             runner.cancel()
     assert b.stats.expired == 1
+
+
+def test_a_full_model_engine_ships_every_parameter(engine: TorchEngine) -> None:
+    assert engine.named_tensors().keys() == dict(engine.model.named_parameters()).keys()
+    assert not engine.lora and engine.adapters == () and engine.vocab_size == engine.tokenizer.vocab_size
