@@ -100,7 +100,12 @@ def unpack(blob: bytes | bytearray | memoryview) -> tuple[WeightsHeader, memoryv
 
 def load_into(named: dict[str, torch.Tensor], header: WeightsHeader, body: bytes | bytearray | memoryview,
               *, verify: bool = True) -> str:
-    """Write the buffer straight into existing tensors (in place); returns the checksum of what was loaded."""
+    """Write the buffer straight into existing tensors (in place); returns the checksum of what was loaded.
+
+    The header may name a subset of ``named`` (a LoRA update ships only adapter tensors), but every tensor
+    it names must exist with the same shape and dtype. All of that is checked before the first copy, so a
+    rejected update leaves ``named`` exactly as it was.
+    """
     import torch
 
     digest = checksum(body)
@@ -108,14 +113,21 @@ def load_into(named: dict[str, torch.Tensor], header: WeightsHeader, body: bytes
         raise ValueError(f"weights checksum mismatch for {header.model} v{header.version}: {digest} != {header.checksum}")
     missing = [s.name for s in header.slots if s.name not in named]
     if missing:
-        raise ValueError(f"weights for unknown tensors: {missing[:5]}")
-    flat = torch.frombuffer(bytearray(body) if isinstance(body, memoryview) and body.readonly else body,
-                            dtype=torch.uint8)
+        raise ValueError(f"weights for {header.model} v{header.version} name {len(missing)} tensors the receiver "
+                         f"does not have, e.g. {missing[:3]} (do both sides build models.{header.model} the same way?)")
+    for s in header.slots:
+        dst = named[s.name]
+        if tuple(dst.shape) != s.shape or _dtype_name(dst) != s.dtype:
+            raise ValueError(f"{s.name}: have {tuple(dst.shape)} {dst.dtype}, got {s.shape} {s.dtype}")
+        if s.nbytes != dst.numel() * dst.element_size() or s.offset < 0 or s.offset + s.nbytes > len(body):
+            raise ValueError(f"{s.name}: slot [{s.offset}, {s.offset + s.nbytes}) does not fit its tensor "
+                             f"or the {len(body)}-byte body")
+    # torch.frombuffer wants a writable buffer (and cannot take an empty one).
+    writable = bytearray(body) if memoryview(body).readonly else body
+    flat = torch.frombuffer(writable, dtype=torch.uint8) if len(body) else torch.empty(0, dtype=torch.uint8)
     with torch.no_grad():
         for s in header.slots:
             dst = named[s.name]
-            if tuple(dst.shape) != s.shape or _dtype_name(dst) != s.dtype:
-                raise ValueError(f"{s.name}: have {tuple(dst.shape)} {dst.dtype}, got {s.shape} {s.dtype}")
             src = flat[s.offset : s.offset + s.nbytes].view(dst.dtype).view(dst.shape)
             dst.copy_(src)
     return digest

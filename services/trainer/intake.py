@@ -62,10 +62,13 @@ class StepBook:
     staleness: list[int] = field(default_factory=list)
     agents: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
     sample_ids: list[str] = field(default_factory=list)
+    adapters: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # LoRA adapter -> samples
     compute_s: float = 0.0
 
     def add(self, samples: Sequence[Sample], version: int) -> None:
         for s in samples:
+            if s.adapter is not None:
+                self.adapters[s.adapter] += 1
             self.rewards.append(s.reward)
             self.staleness.append(version - s.version)
             self.agents[s.agent].append(s.reward)

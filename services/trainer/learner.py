@@ -1,6 +1,8 @@
 """The torch learner: forward/backward of micro-batches, gradient accumulation, one optimizer step per global batch.
 
-Knows nothing of NATS. Every method runs torch work, so the service calls it from one worker thread.
+Knows nothing of NATS. Every method runs torch work, so the service calls it from one worker thread. A LoRA
+model trains only its adapters: each micro-batch is one pass with every row routed to its sample's adapter,
+so all adapters of the base move in the same optimizer step.
 """
 
 from __future__ import annotations
@@ -15,9 +17,8 @@ import torch
 
 from services.trainer.grpo import ppo_clip_loss
 from shared.config import ChorusConfig
-from shared.modeling import build_model
+from shared.models import load_model, load_tokenizer, shipped_tensors
 from shared.schemas import Sample
-from shared.tokenizer import PAD_ID
 
 _CKPT = re.compile(r"^v(\d+)\.pt$")
 
@@ -31,6 +32,7 @@ class Collated:
     targets: torch.Tensor
     loss_mask: torch.Tensor
     logp_behav: torch.Tensor
+    adapters: list[str | None] = field(default_factory=list)  # per row: the LoRA adapter of its sample
 
 
 @dataclass
@@ -42,13 +44,13 @@ class StepResult:
     stats: dict[str, float] = field(default_factory=dict)
 
 
-def collate(samples: Sequence[Sample]) -> Collated:
-    """Prompt + response, right-padded; only response tokens are in the loss mask (logits shifted by one)."""
+def collate(samples: Sequence[Sample], pad_id: int) -> Collated:
+    """Prompt + response, right-padded with ``pad_id``; only response tokens are in the loss mask (shifted by one)."""
     seqs = [(s.prompt_ids.numpy().astype("int64"), s.response_ids.numpy().astype("int64"),
              s.behavior_logprobs.numpy().astype("float32")) for s in samples]
     width = max(len(p) + len(r) for p, r, _ in seqs)
     b = len(seqs)
-    input_ids = torch.full((b, width), PAD_ID, dtype=torch.long)
+    input_ids = torch.full((b, width), pad_id, dtype=torch.long)
     attention = torch.zeros((b, width), dtype=torch.long)
     loss_mask = torch.zeros((b, max(width - 1, 1)), dtype=torch.float32)
     logp_behav = torch.zeros((b, max(width - 1, 1)), dtype=torch.float32)
@@ -61,13 +63,19 @@ def collate(samples: Sequence[Sample]) -> Collated:
         start = len(p) - 1
         loss_mask[i, start : start + len(r)] = 1.0
         logp_behav[i, start : start + len(r)] = torch.from_numpy(lp)
-    return Collated(input_ids, attention, input_ids[:, 1:], loss_mask, logp_behav)
+    return Collated(input_ids, attention, input_ids[:, 1:], loss_mask, logp_behav, [s.adapter for s in samples])
 
 
-def validate_sample(s: Sample) -> str | None:
-    """Why a sample cannot be trained on, or None when it can."""
-    from shared.tokenizer import VOCAB_SIZE
+def validate_sample(s: Sample, vocab_size: int, adapters: Sequence[str] | None) -> str | None:
+    """Why a sample cannot be trained on, or None when it can.
 
+    ``adapters``: the LoRA adapters of the model, or None for a full model (whose samples name no adapter).
+    """
+    if adapters is None and s.adapter is not None:
+        return f"sample {s.sample_id}: adapter {s.adapter!r}, but this model has no LoRA adapters"
+    if adapters is not None and s.adapter not in adapters:
+        return (f"sample {s.sample_id}: adapter {s.adapter!r} is not one of the model's adapters {sorted(adapters)} "
+                "(the base of a LoRA model is frozen; check agents.<agent>.adapter)")
     for name, arr in (("prompt_ids", s.prompt_ids), ("response_ids", s.response_ids),
                       ("behavior_logprobs", s.behavior_logprobs)):
         if len(arr.shape) != 1:
@@ -81,8 +89,8 @@ def validate_sample(s: Sample) -> str | None:
         if arr.dtype not in ("int32", "int64"):
             return f"sample {s.sample_id}: {name} dtype {arr.dtype}, expected int32 or int64"
         ids = arr.numpy()
-        if ids.size and (ids.min() < 0 or ids.max() >= VOCAB_SIZE):
-            return f"sample {s.sample_id}: {name} has ids outside [0, {VOCAB_SIZE})"
+        if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+            return f"sample {s.sample_id}: {name} has ids outside [0, {vocab_size})"
     if s.behavior_logprobs.dtype not in ("float32", "float16"):
         return f"sample {s.sample_id}: behavior_logprobs dtype {s.behavior_logprobs.dtype}, expected float32"
     lp = s.behavior_logprobs.numpy()
@@ -92,29 +100,53 @@ def validate_sample(s: Sample) -> str | None:
 
 
 class Learner:
-    """One model in train mode with AdamW; gradients accumulate across micro-batches until ``global_batch``."""
+    """One model with AdamW over its trainable tensors; gradients accumulate across micro-batches until ``global_batch``.
+
+    A full model trains every parameter in train mode. A LoRA model trains only its adapters, in eval mode:
+    peft routes rows to different adapters only in eval mode, and with LoRA dropout 0 the two modes compute
+    the same function.
+    """
 
     def __init__(self, cfg: ChorusConfig, model: str) -> None:
         self.model_name = model
         self.global_batch = cfg.train.global_batch
         self.clip_eps = cfg.train.clip_eps
-        optim = cfg.models[model].optim
+        mcfg = cfg.models[model]
+        optim = mcfg.optim
         self.grad_clip = optim.grad_clip
         # Behaviour log-probs are taken after temperature, so pi_theta must be scored the same way.
         t = cfg.workflow.temperature
         self.temperature = t if t > 0 else 1.0
-        self.net = build_model(cfg, model)
-        self.net.train()
-        self.optimizer = torch.optim.AdamW(self.net.parameters(), lr=optim.lr, betas=tuple(optim.betas),
+        self.lora = mcfg.lora is not None
+        if mcfg.lora is not None and mcfg.lora.dropout > 0:
+            raise ValueError(f"models.{model}.lora.dropout is {mcfg.lora.dropout}: mixed-adapter training runs "
+                             "in eval mode, where dropout is off; set it to 0")
+        self.adapters: list[str] | None = cfg.adapters_of(model) if self.lora else None
+        self.pad_id = load_tokenizer(cfg, model).pad_id
+        self.net = load_model(cfg, model)
+        self.net.train(not self.lora)
+        self.vocab_size = int(self.net.get_input_embeddings().num_embeddings)
+        self.trainable = [p for p in self.net.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.trainable, lr=optim.lr, betas=tuple(optim.betas),
                                            weight_decay=optim.weight_decay)
         self.version = 0
         self.accumulated = 0
         self._loss_sum = 0.0
         self._stats_sum: dict[str, float] = {}
 
+    def validate(self, sample: Sample) -> str | None:
+        """Why this learner cannot train on ``sample`` (ids outside its vocabulary, an adapter it lacks), or None."""
+        return validate_sample(sample, self.vocab_size, self.adapters)
+
     def token_logprobs(self, batch: Collated) -> torch.Tensor:
-        """log pi_theta of every next token, [B, L-1]."""
-        out = self.net(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
+        """log pi_theta of every next token, [B, L-1]; a LoRA model runs each row through its sample's adapter."""
+        routing: dict[str, Any] = {}
+        if self.lora:
+            unknown = sorted({str(a) for a in batch.adapters if a not in (self.adapters or [])})
+            if unknown or len(batch.adapters) != batch.input_ids.shape[0]:
+                raise ValueError(f"rows name adapters {unknown}, model {self.model_name!r} has {self.adapters}")
+            routing["adapter_names"] = list(batch.adapters)
+        out = self.net(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False, **routing)
         logits = out.logits[:, :-1, :].float() / self.temperature
         logp = torch.log_softmax(logits, dim=-1)
         return logp.gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1)
@@ -125,7 +157,7 @@ class Learner:
             return 0.0
         if len(samples) != len(advantages):
             raise ValueError(f"{len(samples)} samples but {len(advantages)} advantages")
-        batch = collate(samples)
+        batch = collate(samples, self.pad_id)
         logp = self.token_logprobs(batch)
         adv = torch.as_tensor(list(advantages), dtype=torch.float32)
         loss, stats = ppo_clip_loss(logp, batch.logp_behav, adv, batch.loss_mask, self.clip_eps, self.global_batch)
@@ -151,7 +183,8 @@ class Learner:
         n = self.accumulated
         # Each micro-batch divided by global_batch; a different count is renormalised to a mean over n.
         scale = self.global_batch / n
-        params = [p for p in self.net.parameters() if p.grad is not None]
+        # An adapter with no rows in this batch has no gradient: AdamW leaves it exactly as it was.
+        params = [p for p in self.trainable if p.grad is not None]
         if scale != 1.0:
             for p in params:
                 p.grad.mul_(scale)
@@ -170,14 +203,26 @@ class Learner:
         return result
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
-        """Parameters by name, the layout the rollouters load into."""
-        return {name: p.detach() for name, p in self.net.named_parameters()}
+        """What a weight update carries, by name: every parameter, or only the adapters of a LoRA model."""
+        return {name: t.detach() for name, t in shipped_tensors(self.net, self.lora).items()}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"version": self.version, "model": self.net.state_dict(), "optimizer": self.optimizer.state_dict()}
+        """Version, the shipped tensors (the frozen base of a LoRA model is rebuilt, not saved) and AdamW's state."""
+        return {"version": self.version, "model": self.named_tensors(), "optimizer": self.optimizer.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.net.load_state_dict(state["model"])
+        own = self.named_tensors()
+        saved: dict[str, torch.Tensor] = state["model"]
+        if saved.keys() != own.keys():
+            missing, extra = sorted(own.keys() - saved.keys()), sorted(saved.keys() - own.keys())
+            raise ValueError(f"checkpoint does not match model {self.model_name!r}: missing {missing[:3]}, "
+                             f"unexpected {extra[:3]} (was it written with another models.{self.model_name} config?)")
+        for name, t in own.items():
+            if t.shape != saved[name].shape:
+                raise ValueError(f"checkpoint {name}: shape {tuple(saved[name].shape)}, model has {tuple(t.shape)}")
+        with torch.no_grad():
+            for name, t in own.items():
+                t.copy_(saved[name])
         self.optimizer.load_state_dict(state["optimizer"])
         self.version = int(state["version"])
         self.optimizer.zero_grad(set_to_none=True)

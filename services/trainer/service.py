@@ -24,7 +24,7 @@ from nats.js.errors import NotFoundError
 
 from services.trainer.grpo import group_advantages
 from services.trainer.intake import SeenIds, StepBook, filter_samples
-from services.trainer.learner import Learner, validate_sample
+from services.trainer.learner import Learner
 from shared.bus import fetch, kv_put_int_max, pull_consumer
 from shared.codec import DecodeError, decode, encode
 from shared.schemas import DropEvent, MicroBatch, Sample, StepRecord, WeightsAnnounce
@@ -188,7 +188,7 @@ class TrainerService(Service):
         bad: list[tuple[Sample, str]] = []
         for s in mb.samples:
             why = (f"sample {s.sample_id} is for model {s.model!r}, this trainer trains {self.model!r}"
-                   if s.model != self.model else validate_sample(s))
+                   if s.model != self.model else self.learner.validate(s))
             if why is None:
                 keep.append(s)
             else:
@@ -226,11 +226,12 @@ class TrainerService(Service):
         await kv_put_int_max(self.kv, self.names.trained_key(self.model), result.version)
         record = StepRecord(model=self.model, version=result.version, dropped_stale=self.counters["dropped_stale"],
                             step_seconds=round(step_s, 6), loss=result.loss, **self.book.summary())  # type: ignore[arg-type]
+        adapter_samples = dict(sorted(self.book.adapters.items()))
         self.book = StepBook()
         self.counters["steps"] += 1
         line = record.model_dump(mode="json", exclude={"schema_"})
         await asyncio.to_thread(_append_line, self.metrics_path, json.dumps(line, separators=(",", ":")))
-        await self.event("step", **line, grad_norm=result.grad_norm, **result.stats)
+        await self.event("step", **line, grad_norm=result.grad_norm, adapter_samples=adapter_samples, **result.stats)
         self.log.info("step", version=result.version, samples=result.samples, loss=round(result.loss, 5),
                       reward_mean=round(record.reward_mean, 4))
         await self._publish_weights()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +18,7 @@ from services.rollouter.service import RollouterService
 from shared.bus import kv_get_int
 from shared.codec import decode, encode
 from shared.config import ChorusConfig, load_config
-from shared.modeling import build_model
+from shared.models import load_model, shipped_tensors
 from shared.schemas import Array, GenRequest, GenResponse, SyncDone, WeightsAnnounce
 from shared.service import Service
 from shared.subjects import Names
@@ -27,12 +28,14 @@ from shared.weights import flatten, pack
 MODEL = "m"
 
 
-def write_config(tmp_path: Path, run_id: str) -> ChorusConfig:
+def write_config(tmp_path: Path, run_id: str, *, lora: bool = False) -> ChorusConfig:
     p = tmp_path / "run.yaml"
+    adapters = ("{solver: {model: m, adapter: sol}, verifier: {model: m, adapter: ver}}" if lora
+                else f"{{solver: {{model: {MODEL}}}, verifier: {{model: {MODEL}}}}}")
     p.write_text(
         f"run: {{id: {run_id}, dir: {tmp_path / 'runs'}}}\n"
-        f"models: {{{MODEL}: {{rollouter: {{batch_window_ms: 2}}}}}}\n"
-        f"agents: {{solver: {{model: {MODEL}}}, verifier: {{model: {MODEL}}}}}\n"
+        f"models: {{{MODEL}: {{rollouter: {{batch_window_ms: 2}}{', lora: {r: 4}' if lora else ''}}}}}\n"
+        f"agents: {adapters}\n"
         "paramsync: {pause_timeout_s: 3, load_timeout_s: 10}\n"
         "metrics_interval_s: 0.5\n"
     )
@@ -66,28 +69,38 @@ class Setup:
     paramsync: ParamSyncService
 
 
-@pytest.fixture
-async def setup(nats_url: str, run_id: str, tmp_path: Path) -> AsyncIterator[Setup]:
-    cfg = write_config(tmp_path, run_id)
-    rollouters = [RollouterService(cfg, nats_url=nats_url, instance=str(i), model=MODEL) for i in range(2)]
+@contextlib.asynccontextmanager
+async def running(cfg: ChorusConfig, nats_url: str, instances: int) -> AsyncIterator[Setup]:
+    """``instances`` rollouters and a paramsync of the model, stopped cleanly at the end."""
+    rollouters = [RollouterService(cfg, nats_url=nats_url, instance=str(i), model=MODEL) for i in range(instances)]
     ps = ParamSyncService(cfg, nats_url=nats_url, model=MODEL)
     tasks = [await serve(r, "_gen_subs") for r in rollouters] + [await serve(ps, "queue")]
     nc = await nats.connect(nats_url)
-    yield Setup(cfg, Names(run_id), nc, rollouters, ps)
-    await nc.close()
-    for svc in [*rollouters, ps]:
-        svc.stop()
-    assert await asyncio.wait_for(asyncio.gather(*tasks), 30) == [0, 0, 0]
+    try:
+        yield Setup(cfg, Names(cfg.run.id), nc, rollouters, ps)
+    finally:
+        await nc.close()
+        for svc in [*rollouters, ps]:
+            svc.stop()
+        assert await asyncio.wait_for(asyncio.gather(*tasks), 30) == [0] * (instances + 1)
 
 
-async def publish_weights(s: Setup, version: int, delta: float, *, bad_checksum: bool = False) -> dict[str, torch.Tensor]:
-    """Put v``version`` = initial weights + delta into the object store and announce it."""
-    net = build_model(s.cfg, MODEL)
+@pytest.fixture
+async def setup(nats_url: str, run_id: str, tmp_path: Path) -> AsyncIterator[Setup]:
+    async with running(write_config(tmp_path, run_id), nats_url, 2) as s:
+        yield s
+
+
+async def publish_weights(s: Setup, version: int, delta: float, *, bad_checksum: bool = False,
+                          extra: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Put v``version`` = initial shipped tensors + delta (and ``extra``) into the object store and announce it."""
+    lora = s.cfg.models[MODEL].lora is not None
+    net = load_model(s.cfg, MODEL)
     with torch.no_grad():
-        for p in net.parameters():
+        for p in shipped_tensors(net, lora).values():
             p.add_(delta)
-    named = {k: v.detach().clone() for k, v in net.named_parameters()}
-    header, buf = flatten(MODEL, version, named)
+    named = {k: v.detach().clone() for k, v in shipped_tensors(net, lora).items()}
+    header, buf = flatten(MODEL, version, {**named, **(extra or {})})
     obj = await s.nc.jetstream().object_store(s.names.obj_bucket)
     await obj.put(s.names.weights_object(MODEL, version), pack(header, buf))
     ann = WeightsAnnounce(model=MODEL, version=version, object_name=s.names.weights_object(MODEL, version),
@@ -171,3 +184,31 @@ async def test_a_rollouter_started_later_catches_up_with_the_served_version(setu
     finally:
         late.stop()
         assert await asyncio.wait_for(task, 30) == 0
+
+
+async def test_a_lora_update_ships_only_adapters_and_loads_them_with_the_base_untouched(
+        nats_url: str, run_id: str, tmp_path: Path) -> None:
+    cfg = write_config(tmp_path, run_id, lora=True)
+    base = {k: v.detach().clone() for k, v in load_model(cfg, MODEL).named_parameters() if "lora_" not in k}
+    async with running(cfg, nats_url, 1) as s:
+        done_sub = await s.nc.subscribe(s.names.sync_done(MODEL))
+        expected = await publish_weights(s, version=1, delta=0.05)
+        assert expected and all("lora_" in k for k in expected)
+        done = decode(SyncDone, (await done_sub.next_msg(timeout=30)).data)
+        assert done.version == 1 and done.loaded == ["0"] and done.failed == {}
+        engine = s.rollouters[0].engine
+        got = engine.named_tensors()
+        assert set(got) == set(expected) and all(torch.equal(got[k], expected[k]) for k in expected)
+        served = dict(engine.model.named_parameters())
+        assert all(torch.equal(served[k], v) for k, v in base.items())
+
+        # An update naming a tensor this rollouter does not have is refused whole; v1 keeps serving.
+        stray = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.other.weight": torch.zeros(4, 64)}
+        await publish_weights(s, version=2, delta=0.1, extra=stray)
+        done = decode(SyncDone, (await done_sub.next_msg(timeout=30)).data)
+        assert done.loaded == [] and "does not have" in done.failed["0"]
+        kv = await s.nc.jetstream().key_value(s.names.kv_bucket)
+        assert await kv_get_int(kv, s.names.version_key(MODEL)) == 1
+        assert all(torch.equal(engine.named_tensors()[k], expected[k]) for k in expected)
+        resp = await generate(s)
+        assert resp.error is None and resp.version == 1

@@ -21,20 +21,22 @@ from shared.config import ChorusConfig, load_config
 from shared.schemas import Array, MicroBatch, Sample, WeightsAnnounce
 from shared.subjects import Names
 from shared.tokenizer import BOS_ID, EOS_ID
-from shared.weights import checksum, unpack
+from shared.weights import WeightsHeader, checksum, unpack
 
 MODEL = "m"
 
 
-def write_cfg(tmp_path: Path, run_id: str, **train: Any) -> ChorusConfig:
+def write_cfg(tmp_path: Path, run_id: str, *, lora: bool = False, **train: Any) -> ChorusConfig:
     settings = {"global_batch": 8, "micro_batch": 4, "max_staleness": 0, "max_versions": 3,
                 "checkpoint_every": 2, "ack_wait_s": 5, **train}
+    agents = ("{solver: {model: m, adapter: sol}, verifier: {model: m, adapter: ver}}" if lora
+              else "{solver: {model: m}, verifier: {model: m}}")
     p = tmp_path / "run.yaml"
     p.write_text(
         f"run: {{id: {run_id}, dir: {tmp_path / 'runs'}}}\n"
         "models: {m: {arch: {hidden_size: 32, num_layers: 1, num_heads: 2, intermediate_size: 64, max_position: 64},"
-        " optim: {lr: 0.01}}}\n"
-        "agents: {solver: {model: m}, verifier: {model: m}}\n"
+        f" optim: {{lr: 0.01}}{', lora: {r: 4}' if lora else ''}}}}}\n"
+        f"agents: {agents}\n"
         "workflow: {group_size: 4}\n"
         f"train: {json.dumps(settings)}\n"
         "metrics_interval_s: 0.2\n"
@@ -42,7 +44,7 @@ def write_cfg(tmp_path: Path, run_id: str, **train: Any) -> ChorusConfig:
     return load_config(p)
 
 
-def group(run_id: str, key: str, version: int, agent: str = "solver") -> list[Sample]:
+def group(run_id: str, key: str, version: int, agent: str = "solver", adapter: str | None = None) -> list[Sample]:
     """A complete GRPO group of 4 with different rewards, so advantages are non-zero."""
     rng = np.random.default_rng(abs(hash(key)) % 2**32)
     out = []
@@ -50,15 +52,16 @@ def group(run_id: str, key: str, version: int, agent: str = "solver") -> list[Sa
         resp = [*rng.integers(48, 58, 3).tolist(), EOS_ID]
         out.append(Sample(
             run=run_id, episode=key, sample_id=f"{key}_0_{i}", env_idx=0, rollout_idx=i, agent=agent, model=MODEL,
-            turn=0, prompt_ids=Array.of([BOS_ID, 50, 43, 50, 61], "int32"), response_ids=Array.of(resp, "int32"),
+            adapter=adapter, turn=0, prompt_ids=Array.of([BOS_ID, 50, 43, 50, 61], "int32"), response_ids=Array.of(resp, "int32"),
             behavior_logprobs=Array.of((-rng.random(4) * 5 - 0.1).tolist(), "float32"), reward=float(i % 2 + i / 10),
             group_key=f"{key}/{agent}/0", group_size=4, version=version,
         ))
     return out
 
 
-async def publish_batch(js: Any, names: Names, run_id: str, key: str, version: int, agent: str = "solver") -> None:
-    mb = MicroBatch(batch_id=key, model=MODEL, samples=group(run_id, key, version, agent))
+async def publish_batch(js: Any, names: Names, run_id: str, key: str, version: int, agent: str = "solver",
+                        adapter: str | None = None) -> None:
+    mb = MicroBatch(batch_id=key, model=MODEL, samples=group(run_id, key, version, agent, adapter))
     await js.publish(names.ready(MODEL), encode(mb), headers={"Nats-Msg-Id": key})
 
 
@@ -74,14 +77,18 @@ async def wait_until(cond: Callable[[], Any], timeout: float = 20.0, what: str =
     raise AssertionError(f"timed out waiting for {what}")
 
 
-async def fetch_weights(js: Any, names: Names, ann: WeightsAnnounce) -> bytes:
+async def fetch_object(js: Any, names: Names, ann: WeightsAnnounce) -> tuple[WeightsHeader, bytes]:
     obj = await js.object_store(names.obj_bucket)
     buf = io.BytesIO()
     await obj.get(ann.object_name, writeinto=buf)
     header, body = unpack(buf.getvalue())
     assert header.version == ann.version and header.model == MODEL
     assert checksum(body) == header.checksum == ann.checksum
-    return bytes(body)
+    return header, bytes(body)
+
+
+async def fetch_weights(js: Any, names: Names, ann: WeightsAnnounce) -> bytes:
+    return (await fetch_object(js, names, ann))[1]
 
 
 class Watch:
@@ -234,3 +241,53 @@ async def test_trainer_restarts_from_its_newest_checkpoint(nats_url, run_id, tmp
         svc.stop()
         assert await asyncio.wait_for(task, 30) == 0
         await nc.close()
+
+
+async def test_a_lora_trainer_trains_both_adapters_in_one_step_and_ships_only_adapter_tensors(nats_url, run_id, tmp_path):
+    cfg = write_cfg(tmp_path, run_id, lora=True, global_batch=8, max_versions=1)
+    names = Names(run_id)
+    nc = await nats.connect(nats_url)
+    js = nc.jetstream()
+    watch = Watch()
+    await watch.attach(nc, names)
+    svc, task = await start(cfg, nats_url)
+    try:
+        await wait_until(lambda: watch.announces, what="the v0 announce")
+        header0, _ = await fetch_object(js, names, watch.announces[0])
+        shipped = {s.name for s in header0.slots}
+        assert shipped and all(".lora_A." in n or ".lora_B." in n for n in shipped)
+        base_bytes = sum(p.numel() * p.element_size() for p in svc.learner.net.parameters())
+        assert header0.nbytes * 10 < base_bytes
+
+        # One micro-batch with a group per adapter, plus one sample naming an adapter the model lacks.
+        sol, ver = group(run_id, "s", 0, "solver", "sol"), group(run_id, "v", 0, "verifier", "ver")
+        stray = group(run_id, "z", 0, "verifier", "nope")[:1]
+        mb = MicroBatch(batch_id="mixed", model=MODEL, samples=sol[:2] + ver[:2] + stray + sol[2:] + ver[2:])
+        await js.publish(names.ready(MODEL), encode(mb), headers={"Nats-Msg-Id": "mixed"})
+        await wait_until(lambda: watch.kinds("step"), what="the step event")
+        await wait_until(lambda: watch.dlq, what="the stray sample in the DLQ")
+        reason = watch.dlq[0].headers["Chorus-Reason"]
+        assert "z_0_0" in reason and "'nope' is not one of the model's adapters ['sol', 'ver']" in reason
+        assert svc.counters["dropped_invalid"] == 1
+
+        step = watch.kinds("step")[0]
+        assert step["version"] == 1 and step["samples"] == 8
+        assert step["adapter_samples"] == {"sol": 4, "ver": 4}
+        assert sorted(step["sample_ids"]) == sorted(s.sample_id for s in sol + ver)
+        await wait_until(lambda: [a for a in watch.announces if a.version == 1], what="the v1 announce")
+        header1, body1 = await fetch_object(js, names, watch.announces[-1])
+        _, body0 = await fetch_object(js, names, watch.announces[0])
+        assert {s.name for s in header1.slots} == shipped
+        moved = {n.split(".lora_")[1].split(".")[1] for n in _changed(header0, body0, header1, body1)}
+        assert moved == {"sol", "ver"}
+    finally:
+        svc.stop()
+        assert await asyncio.wait_for(task, 30) == 0
+        await nc.close()
+
+
+def _changed(h0: WeightsHeader, b0: bytes, h1: WeightsHeader, b1: bytes) -> list[str]:
+    """Names of the tensors whose bytes differ between two weight objects of the same layout."""
+    slots1 = {s.name: s for s in h1.slots}
+    return [s.name for s in h0.slots
+            if b0[s.offset : s.offset + s.nbytes] != b1[slots1[s.name].offset : slots1[s.name].offset + s.nbytes]]

@@ -27,6 +27,15 @@ def test_group_advantages_reject_mismatched_lengths():
         group_advantages([1.0, 2.0], ["a"])
 
 
+def test_advantages_of_one_agent_never_depend_on_another_agents_rewards_in_the_same_batch():
+    # AT-GRPO keys groups by (env, agent, turn): two adapters' rows of one env share a micro-batch, not a group.
+    keys = ["e0/solver/0"] * 3 + ["e0/verifier/1"] * 3
+    a = group_advantages([1.0, 0.0, 0.5, 9.0, -3.0, 4.0], keys)
+    b = group_advantages([1.0, 0.0, 0.5, 0.0, 0.0, 1.0], keys)
+    assert torch.allclose(a[:3], b[:3]) and not torch.allclose(a[3:], b[3:])
+    assert torch.allclose(a[:3], group_advantages([1.0, 0.0, 0.5], keys[:3]))
+
+
 def _hand_example() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     logp_behav = torch.tensor([[-1.0, -2.0], [-0.5, -0.7]])
     ratios = torch.tensor([[1.5, 1.0], [0.5, 2.0]])

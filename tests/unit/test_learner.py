@@ -9,8 +9,9 @@ import torch
 from services.trainer.intake import SeenIds, StepBook, filter_samples
 from services.trainer.learner import Learner, collate, latest_checkpoint, validate_sample
 from shared.config import ChorusConfig, load_config
+from shared.models import adapter_of_tensor
 from shared.schemas import Array, Sample
-from shared.tokenizer import BOS_ID, EOS_ID
+from shared.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
 
 
 def make_cfg(tmp_path, global_batch: int = 8, temperature: float = 1.0, lr: float = 0.01) -> ChorusConfig:
@@ -48,7 +49,7 @@ def params(learner: Learner) -> dict[str, torch.Tensor]:
 def test_collate_puts_only_response_tokens_in_the_shifted_loss_mask():
     a = make_sample(0, prompt_len=2, resp_len=3)
     b = make_sample(1, prompt_len=4, resp_len=1)
-    c = collate([a, b])
+    c = collate([a, b], PAD_ID)
     assert c.input_ids.shape == (2, 5)
     assert c.loss_mask.tolist() == [[0, 1, 1, 1], [0, 0, 0, 1]]
     # Shifted targets at the masked positions are exactly the response ids.
@@ -153,16 +154,133 @@ def test_latest_checkpoint_orders_versions_numerically(tmp_path):
 
 
 def test_validate_sample_explains_what_is_wrong():
-    assert validate_sample(make_sample(0)) is None
+    def check(s: Sample) -> str | None:
+        return validate_sample(s, VOCAB_SIZE, None)
+
+    assert check(make_sample(0)) is None
     s = make_sample(0)
     bad_len = s.model_copy(update={"behavior_logprobs": Array.of([-1.0], "float32")})
-    assert "behaviour log-probs" in (validate_sample(bad_len) or "")
+    assert "behaviour log-probs" in (check(bad_len) or "")
     bad_ids = s.model_copy(update={"response_ids": Array.of([1, 2, 3, 999], "int32")})
-    assert "outside" in (validate_sample(bad_ids) or "")
+    assert "outside" in (check(bad_ids) or "")
     no_prompt = s.model_copy(update={"prompt_ids": Array.of([], "int32")})
-    assert "empty prompt" in (validate_sample(no_prompt) or "")
+    assert "empty prompt" in (check(no_prompt) or "")
     nan = s.model_copy(update={"behavior_logprobs": Array.of([-1.0, float("nan"), -1.0, -1.0], "float32")})
-    assert "finite" in (validate_sample(nan) or "")
+    assert "finite" in (check(nan) or "")
+
+
+def make_lora_cfg(tmp_path, global_batch: int = 4) -> ChorusConfig:
+    p = tmp_path / "lora.yaml"
+    p.write_text(
+        "run: {id: lora}\n"
+        "models: {m: {arch: {hidden_size: 32, num_layers: 1, num_heads: 2, intermediate_size: 64,"
+        " max_position: 64}, lora: {r: 4}, optim: {lr: 0.01}}}\n"
+        "agents: {solver: {model: m, adapter: sol}, verifier: {model: m, adapter: ver}}\n"
+        f"workflow: {{group_size: 2}}\n"
+        f"train: {{global_batch: {global_batch}, micro_batch: 4}}\n"
+    )
+    return load_config(p)
+
+
+def with_adapter(s: Sample, adapter: str | None) -> Sample:
+    """``s`` for ``adapter``, with behaviour log-probs near a fresh model's (ratios near 1, so no row is clipped)."""
+    uniform = Array.of([-float(np.log(VOCAB_SIZE))] * s.response_ids.shape[0], "float32")
+    return s.model_copy(update={"adapter": adapter, "behavior_logprobs": uniform})
+
+
+def all_params(learner: Learner) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in learner.net.named_parameters()}
+
+
+def test_pad_id_never_changes_the_log_probs_of_real_tokens(tmp_path):
+    learner = Learner(make_cfg(tmp_path), "m")
+    samples = [make_sample(0, prompt_len=2, resp_len=5), make_sample(1, prompt_len=3, resp_len=1)]
+    a, b = collate(samples, PAD_ID), collate(samples, 7)
+    assert int(b.input_ids[1, -1]) == 7 and int(a.input_ids[1, -1]) == PAD_ID
+    with torch.no_grad():
+        la, lb = learner.token_logprobs(a), learner.token_logprobs(b)
+    assert torch.allclose(la * a.loss_mask, lb * b.loss_mask, atol=1e-6)
+
+
+def test_a_lora_learner_optimises_only_the_adapters_and_ships_only_them(tmp_path):
+    learner = Learner(make_lora_cfg(tmp_path), "m")
+    optimised = {id(p) for group in learner.optimizer.param_groups for p in group["params"]}
+    adapter_params = {id(p) for k, p in learner.net.named_parameters() if "lora_" in k}
+    assert optimised == adapter_params and optimised
+    shipped = learner.named_tensors()
+    assert shipped and all("lora_" in k for k in shipped)
+    assert {adapter_of_tensor(k, ["sol", "ver"]) for k in shipped} == {"sol", "ver"}
+    assert sum(t.numel() for t in shipped.values()) < sum(p.numel() for p in learner.net.parameters()) / 10
+
+
+def test_one_step_on_a_mixed_batch_trains_both_adapters_and_leaves_the_base_bit_identical(tmp_path):
+    learner = Learner(make_lora_cfg(tmp_path), "m")
+    before = all_params(learner)
+    batch = [with_adapter(make_sample(i), "sol" if i % 2 else "ver") for i in range(4)]
+    learner.accumulate(batch, [1.0, -1.0, 0.5, -0.5])
+    result = learner.step()
+    assert result is not None and result.version == 1
+    changed = {k for k, p in learner.net.named_parameters() if not torch.equal(p, before[k])}
+    assert {adapter_of_tensor(k, ["sol", "ver"]) for k in changed} == {"sol", "ver"}
+    base = [k for k in before if "lora_" not in k]
+    assert base and all(torch.equal(dict(learner.net.named_parameters())[k], before[k]) for k in base)
+
+
+def test_an_adapter_without_rows_in_the_step_is_left_exactly_as_it_was(tmp_path):
+    learner = Learner(make_lora_cfg(tmp_path, global_batch=2), "m")
+    before = all_params(learner)
+    learner.accumulate([with_adapter(make_sample(i), "sol") for i in range(2)], [1.0, -1.0])
+    assert learner.step() is not None
+    now = dict(learner.net.named_parameters())
+    ver = [k for k in before if adapter_of_tensor(k, ["sol", "ver"]) == "ver"]
+    assert ver and all(torch.equal(now[k], before[k]) for k in ver)
+    assert any(not torch.equal(now[k], before[k]) for k in before if adapter_of_tensor(k, ["sol"]) == "sol")
+
+
+def test_a_mixed_batch_makes_the_same_step_as_one_batch_per_adapter(tmp_path):
+    cfg = make_lora_cfg(tmp_path, global_batch=4)
+    batch = [with_adapter(make_sample(i, resp_len=2 + i % 3), "sol" if i < 2 else "ver") for i in range(4)]
+    adv = [1.0, -1.0, 0.7, -0.7]
+    mixed, split = Learner(cfg, "m"), Learner(cfg, "m")
+    mixed.accumulate(batch, adv)
+    split.accumulate(batch[:2], adv[:2])
+    split.accumulate(batch[2:], adv[2:])
+    g_mixed, g_split = mixed.scaled_gradients(), split.scaled_gradients()
+    assert g_mixed.keys() == g_split.keys()
+    assert {adapter_of_tensor(k, ["sol", "ver"]) for k, g in g_mixed.items() if bool(g.any())} == {"sol", "ver"}
+    for name, g in g_mixed.items():
+        assert torch.allclose(g, g_split[name], rtol=1e-4, atol=1e-8), name
+
+
+def test_samples_must_name_one_of_the_models_adapters(tmp_path):
+    learner = Learner(make_lora_cfg(tmp_path), "m")
+    assert learner.validate(with_adapter(make_sample(0), "sol")) is None
+    assert "not one of the model's adapters ['sol', 'ver']" in (learner.validate(with_adapter(make_sample(0), "x")) or "")
+    assert "base of a LoRA model is frozen" in (learner.validate(make_sample(0)) or "")
+    full = Learner(make_cfg(tmp_path), "m")
+    assert "no LoRA adapters" in (full.validate(with_adapter(make_sample(0), "sol")) or "")
+    with pytest.raises(ValueError, match=r"adapters \['x'\]"):
+        learner.accumulate([with_adapter(make_sample(0), "x")], [1.0])
+
+
+def test_a_lora_checkpoint_holds_only_adapters_and_restores_the_next_step_exactly(tmp_path):
+    cfg = make_lora_cfg(tmp_path, global_batch=2)
+    a = Learner(cfg, "m")
+    a.accumulate([with_adapter(make_sample(0), "sol"), with_adapter(make_sample(1), "ver")], [1.0, -1.0])
+    a.step()
+    path = a.save_checkpoint(tmp_path / "ck")
+    saved = torch.load(path, weights_only=True)
+    assert set(saved["model"]) == set(a.named_tensors())
+    b = Learner(cfg, "m")
+    b.restore_latest(tmp_path / "ck")
+    assert b.version == 1
+    for learner in (a, b):
+        learner.accumulate([with_adapter(make_sample(2), "ver"), with_adapter(make_sample(3), "sol")], [0.5, -0.5])
+        learner.step()
+    for name, p in a.named_tensors().items():
+        assert torch.equal(p, b.named_tensors()[name]), name
+    with pytest.raises(ValueError, match="does not match model"):
+        Learner(make_cfg(tmp_path, global_batch=2), "m").load_state_dict(saved)
 
 
 def test_stale_and_duplicate_samples_are_split_from_the_ones_to_train():
