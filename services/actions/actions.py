@@ -6,9 +6,17 @@ import os
 import re
 import time
 from collections.abc import Callable
+from contextvars import ContextVar
 from typing import Any
 
+from services.actions.coderun import run_code as run_code_in_child
+from shared.mathanswer import extract_answer, math_equal
+
 Action = Callable[[dict[str, Any]], dict[str, Any]]
+# The pool's timeout for the action being run, set by the worker: actions with their own deadline stay
+# inside it so that they answer before the pool gives up on the worker.
+time_budget_s: ContextVar[float | None] = ContextVar("time_budget_s", default=None)
+DEFAULT_CODE_TIMEOUT_S = 5.0
 
 REGISTRY: dict[str, Action] = {}
 
@@ -64,6 +72,47 @@ def check_answer(payload: dict[str, Any]) -> dict[str, Any]:
             f"and {type(response).__name__}"
         )
     return score_answer(expected, response, bool(payload.get("finished", False)))
+
+
+@register("check_math")
+def check_math(payload: dict[str, Any]) -> dict[str, Any]:
+    """Payload ``{"expected", "response"}`` -> ``{"reward", "correct", "answer"}`` from the response's final answer."""
+    expected, response = payload.get("expected"), payload.get("response")
+    if not isinstance(expected, str) or not isinstance(response, str):
+        raise ValueError(
+            f"check_math needs string 'expected' and 'response', got {type(expected).__name__} "
+            f"and {type(response).__name__}"
+        )
+    answer = extract_answer(response)
+    correct = math_equal(answer, expected)
+    return {"reward": 1.0 if correct else 0.0, "correct": correct, "answer": answer or ""}
+
+
+def code_deadline(requested: Any) -> float:
+    """Seconds the code may run: the payload's ``timeout_s`` (default 5), kept inside the pool's timeout."""
+    if requested is None:
+        seconds = DEFAULT_CODE_TIMEOUT_S
+    elif isinstance(requested, int | float) and not isinstance(requested, bool) and requested > 0:
+        seconds = float(requested)
+    else:
+        raise ValueError(f"run_code 'timeout_s' must be a positive number of seconds, got {requested!r}")
+    budget = time_budget_s.get()
+    if budget is not None:
+        # Leave room to kill the child and answer before the pool's own timeout replaces the worker.
+        seconds = min(seconds, budget - max(0.05, min(0.5, 0.2 * budget)))
+    return max(0.01, seconds)
+
+
+@register("run_code")
+def run_code(payload: dict[str, Any]) -> dict[str, Any]:
+    """Payload ``{"code", "tests", "timeout_s"?}`` -> ``{"passed", "tests_passed", "tests_total", "reward",
+    "error", "stdout"}``; each top-level assert of ``tests`` is one test, run in a child process."""
+    code, tests = payload.get("code"), payload.get("tests")
+    if not isinstance(code, str) or not isinstance(tests, str):
+        raise ValueError(
+            f"run_code needs string 'code' and 'tests', got {type(code).__name__} and {type(tests).__name__}"
+        )
+    return run_code_in_child(code, tests, code_deadline(payload.get("timeout_s")))
 
 
 @register("echo")

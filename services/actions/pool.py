@@ -107,7 +107,7 @@ class Worker:
             await self.start()
         t0 = time.monotonic()
         try:
-            await self._write({"kind": kind, "payload": payload})
+            await self._write({"kind": kind, "payload": payload, "timeout_s": timeout_s})
             reply = await asyncio.wait_for(self._read(), timeout_s)
         except TimeoutError:
             await self.kill()

@@ -82,6 +82,8 @@ class ActionsService(Service):
         self.counters["actions"] += len(outcomes)
         self.counters["action_errors"] += sum(e is not None for e in errors)
         self.counters["action_timeouts"] += sum(e is not None and e.startswith("timeout after") for e in errors)
+        # Results that report their own failure (code that timed out or crashed in run_code).
+        self.counters["result_errors"] += sum(bool(o.result and o.result.get("error")) for o in outcomes)
         result = ActionResult(
             action_id=req.action_id,
             results=[o.result or {} for o in outcomes],

@@ -42,8 +42,8 @@ def read_frame(inp: BinaryIO) -> Any | None:
 
 
 def run_one(request: Any) -> dict[str, Any]:
-    """Run one ``{"kind", "payload"}`` request against the registry; never raises."""
-    from services.actions.actions import REGISTRY
+    """Run one ``{"kind", "payload", "timeout_s"?}`` request against the registry; never raises."""
+    from services.actions.actions import REGISTRY, time_budget_s
 
     if not isinstance(request, dict):
         return {"ok": False, "error": f"expected a map request, got {type(request).__name__}"}
@@ -53,6 +53,8 @@ def run_one(request: Any) -> dict[str, Any]:
         return {"ok": False, "error": f"unknown action kind {kind!r}; known: {sorted(REGISTRY)}"}
     if not isinstance(payload, dict):
         return {"ok": False, "error": f"payload must be a map, got {type(payload).__name__}"}
+    budget = request.get("timeout_s")
+    token = time_budget_s.set(float(budget) if isinstance(budget, int | float) and budget > 0 else None)
     try:
         return {"ok": True, "result": fn(payload)}
     except MemoryError:
@@ -60,6 +62,8 @@ def run_one(request: Any) -> dict[str, Any]:
     except Exception as exc:
         tb = traceback.format_exc(limit=3)
         return {"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": tb}
+    finally:
+        time_budget_s.reset(token)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,4 @@
-"""The actions service over a real nats-server: batches, errors, timeouts and malformed requests."""
+"""The actions service over a real nats-server: batches, errors, timeouts, malformed requests, run_code."""
 
 from __future__ import annotations
 
@@ -119,5 +119,47 @@ async def test_requests_are_served_concurrently_up_to_the_core_budget(actions: A
         assert all(r.errors == [None] for r in results)
         # 4 x 0.3 s on 2 cores: two rounds, not four, and not one.
         assert 0.55 <= elapsed < 1.15, elapsed
+    finally:
+        await nc.close()
+
+
+async def test_run_code_survives_loops_and_memory_bombs_and_keeps_serving(actions: ActionsService, nats_url: str):
+    tests = "assert add(2, 3) == 5\nassert add(-1, 1) == 0\nassert add(10, 5) == 15\n"
+    nc = await nats.connect(nats_url)
+    try:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        req = ActionRequest(action_id="code1", kind="run_code", timeout_s=30, payloads=[
+            {"code": "def add(a, b):\n    while True:\n        pass\n", "tests": tests},
+            {"code": "blob = bytearray(10**10)\n", "tests": tests},
+            {"code": "hog = []\nwhile True:\n    hog.append(' ' * 10**6)\n", "tests": tests},
+            {"code": "def add(a, b):\n    return a + b\n", "tests": tests},
+            {"code": "def add(a, b):\n    return abs(a) + b\n", "tests": tests},
+        ])
+        res = await ask(nc, actions, req, timeout=15)
+        # 5 payloads on 2 cores; the loop is stopped inside the service's 1 s cap.
+        assert loop.time() - t0 < 5
+        assert res.error is None and res.errors == [None] * 5
+        loop_r, bomb, hog, good, wrong = res.results
+        assert loop_r["passed"] is False and loop_r["error"].startswith("timeout after") and loop_r["reward"] == 0.0
+        assert bomb["passed"] is False and bomb["error"] == "MemoryError" and bomb["tests_passed"] == 0
+        assert hog["passed"] is False and hog["error"] == "MemoryError"
+        assert good == {"passed": True, "tests_passed": 3, "tests_total": 3, "reward": 1.0, "error": None,
+                        "stdout": ""}
+        assert wrong["passed"] is False and wrong["tests_passed"] == 2 and wrong["reward"] == pytest.approx(2 / 3)
+        # The workers were never at risk: nothing was restarted, and the service answers at once.
+        assert actions.pool.counters["restarts"] == 0
+        assert actions.counters["result_errors"] == 4 and actions.counters["action_errors"] == 0
+        more = await ask(nc, actions, ActionRequest(action_id="code2", kind="run_code", payloads=[
+            {"code": "def add(a, b):\n    return b + a\n", "tests": tests},
+            {"code": "import os\nos._exit(0)\n", "tests": tests},
+        ]))
+        assert more.results[0]["passed"] is True
+        assert more.results[1]["error"] == "the code process exited with status 0 before finishing"
+        math = await ask(nc, actions, ActionRequest(action_id="m1", kind="check_math", payloads=[
+            {"expected": "72", "response": "She sold 48 + 24 clips.\n#### 72"},
+            {"expected": "0.5", "response": "The answer is \\boxed{\\frac{1}{3}}"},
+        ]))
+        assert [r["correct"] for r in math.results] == [True, False]
     finally:
         await nc.close()

@@ -1,15 +1,16 @@
-"""FCFS core scheduler, the worker subprocess pool and the check_answer reward (no broker)."""
+"""FCFS core scheduler, the worker subprocess pool, check_answer / check_math rewards and run_code (no broker)."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import time
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.actions.actions import check_answer, leading_number, score_answer
+from services.actions.actions import check_answer, check_math, leading_number, score_answer
 from services.actions.pool import WorkerPool
 from services.actions.scheduler import FcfsScheduler
 
@@ -197,3 +198,133 @@ async def test_pool_serves_actions_first_come_first_served():
         assert done == [0, 1, 2, 3, 4]
     finally:
         await p.close()
+
+
+# --- run_code and check_math ----------------------------------------------------------------
+ADD_TESTS = "assert add(1, 2) == 3\nassert add(0, 0) == 0\nbase = 10\nassert add(base, -1) == 9\n"
+GOOD_ADD = "def add(a, b):\n    return a + b\n"
+
+
+def _proc_gone(pid: int) -> bool:
+    """Not running: no such process, or a zombie waiting for its reaper."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return any(line.startswith("State:") and "Z" in line for line in f)
+    except FileNotFoundError:
+        return True
+
+
+async def test_run_code_scores_each_top_level_assert(pool: WorkerPool):
+    good = await pool.run("run_code", {"code": GOOD_ADD + "print('hello')", "tests": ADD_TESTS}, 5)
+    assert good.error is None and good.result == {
+        "passed": True, "tests_passed": 3, "tests_total": 3, "reward": 1.0, "error": None, "stdout": "hello\n"}
+    wrong = await pool.run("run_code", {"code": "def add(a, b):\n    return a * b\n", "tests": ADD_TESTS}, 5)
+    assert wrong.result is not None
+    assert (wrong.result["passed"], wrong.result["tests_passed"], wrong.result["tests_total"]) == (False, 1, 3)
+    assert wrong.result["reward"] == pytest.approx(1 / 3)
+    assert wrong.result["error"] == "AssertionError in `assert add(1, 2) == 3`"
+    broken = await pool.run("run_code", {"code": "def add(a, b:\n", "tests": ADD_TESTS}, 5)
+    assert broken.result is not None and broken.result["reward"] == 0.0
+    assert broken.result["error"].startswith("SyntaxError")
+
+
+@pytest.mark.parametrize(
+    ("code", "error"),
+    [
+        ("while True:\n    pass\n", "timeout after 0.5s"),
+        ("x = bytearray(10**10)\n", "MemoryError"),
+        ("x = []\nwhile True:\n    x.append(' ' * 10**6)\n", "MemoryError"),
+        ("import sys\nsys.exit(0)\n", "SystemExit: 0"),
+        ("raise KeyboardInterrupt\n", "KeyboardInterrupt"),
+        ("import os\nos._exit(0)\n", "the code process exited with status 0 before finishing"),
+        ("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n", "the code process was killed by SIGKILL"),
+        # Forged reports on the result pipe are ignored: they lack the run's secret.
+        ("import os\nfor _ in range(3):\n    os.write(3, b'{\"event\": \"test\", \"ok\": true}\\n')\n"
+         "os.write(3, b'{\"event\": \"done\"}\\n')\nos._exit(0)\n", "the code process exited with status 0"),
+    ],
+)
+async def test_runaway_code_is_an_error_result_and_the_worker_lives_on(pool: WorkerPool, code: str, error: str):
+    pids = pool.pids()
+    t0 = time.monotonic()
+    out = await pool.run("run_code", {"code": code, "tests": ADD_TESTS, "timeout_s": 0.5}, 5)
+    assert time.monotonic() - t0 < 3
+    assert out.error is None and out.result is not None
+    assert out.result["passed"] is False and out.result["tests_passed"] == 0 and out.result["reward"] == 0.0
+    assert out.result["error"].startswith(error)
+    assert pool.pids() == pids and pool.counters["restarts"] == 0  # only the code's own process died
+    again = await pool.run("run_code", {"code": GOOD_ADD, "tests": ADD_TESTS}, 5)
+    assert again.result is not None and again.result["passed"] is True
+
+
+async def test_a_loop_in_one_test_keeps_the_credit_of_the_tests_before_it(pool: WorkerPool):
+    code = "def add(a, b):\n    while a == 0:\n        pass\n    return a + b\n"
+    out = await pool.run("run_code", {"code": code, "tests": ADD_TESTS, "timeout_s": 0.3}, 5)
+    assert out.result is not None and out.result["tests_passed"] == 1 and out.result["error"] == "timeout after 0.3s"
+
+
+async def test_code_deadline_stays_inside_the_pool_timeout_so_the_worker_is_not_replaced(pool: WorkerPool):
+    out = await pool.run("run_code", {"code": "while True:\n    pass\n", "tests": ADD_TESTS, "timeout_s": 60}, 1.0)
+    assert out.error is None and out.result is not None and out.result["error"] == "timeout after 0.8s"
+    assert pool.counters["timeouts"] == 0 and pool.counters["restarts"] == 0
+
+
+async def test_processes_started_by_the_code_are_killed_with_it(pool: WorkerPool):
+    code = "import subprocess\np = subprocess.Popen(['sleep', '60'])\nprint(p.pid)\n" + GOOD_ADD
+    out = await pool.run("run_code", {"code": code, "tests": ADD_TESTS}, 5)
+    assert out.result is not None and out.result["passed"] is True
+    pid = int(out.result["stdout"])
+    for _ in range(50):
+        if _proc_gone(pid):
+            break
+        await asyncio.sleep(0.02)
+    assert _proc_gone(pid)
+
+
+async def test_flooding_output_is_truncated(pool: WorkerPool):
+    out = await pool.run("run_code", {"code": "print('x' * 100_000)\n" + GOOD_ADD, "tests": ADD_TESTS}, 5)
+    assert out.result is not None and out.result["passed"] is True
+    assert out.result["stdout"].endswith("[output truncated]") and len(out.result["stdout"]) < 5000
+
+
+@pytest.mark.parametrize(
+    ("payload", "error"),
+    [
+        ({"code": 1, "tests": ADD_TESTS}, "run_code needs string 'code' and 'tests', got int and str"),
+        ({"code": GOOD_ADD, "tests": "x = 1"}, "have no top-level assert"),
+        ({"code": GOOD_ADD, "tests": "assert ("}, "'tests' do not parse"),
+        ({"code": GOOD_ADD, "tests": ADD_TESTS, "timeout_s": -1}, "'timeout_s' must be a positive number"),
+    ],
+)
+async def test_bad_run_code_payloads_are_errors(pool: WorkerPool, payload: dict, error: str):
+    out = await pool.run("run_code", payload, 5)
+    assert out.result is None and out.error is not None and error in out.error
+
+
+@pytest.mark.parametrize(
+    ("response", "expected", "correct", "answer"),
+    [
+        ("3 + 4 = 7, so the answer is 7.", "7", True, "7"),
+        ("We get \\boxed{\\frac{1}{2}}", "0.5", True, "1/2"),
+        ("It is 1,000 in total", "1000", True, "1,000"),
+        ("So 8", "7", False, "8"),
+        ("no idea", "7", False, ""),
+    ],
+)
+def test_check_math_uses_the_final_answer(response: str, expected: str, correct: bool, answer: str):
+    out = check_math({"expected": expected, "response": response})
+    assert out == {"reward": 1.0 if correct else 0.0, "correct": correct, "answer": answer}
+
+
+async def test_check_math_runs_in_the_pool_and_rejects_bad_fields(pool: WorkerPool):
+    ok = await pool.run("check_math", {"expected": "72", "response": "#### 72"}, 5)
+    assert ok.result == {"reward": 1.0, "correct": True, "answer": "72"}
+    bad = await pool.run("check_math", {"expected": 72, "response": "72"}, 5)
+    assert bad.error is not None and "check_math needs string 'expected'" in bad.error
+
+
+async def test_output_without_a_newline_is_not_lost(pool: WorkerPool):
+    code = "print('partial', end='')\n" + GOOD_ADD
+    out = await pool.run("run_code", {"code": code, "tests": ADD_TESTS}, 5)
+    assert out.result is not None and out.result["stdout"] == "partial"
+    err = await pool.run("run_code", {"code": "print('before', end='')\nraise ValueError('bad')", "tests": ADD_TESTS}, 5)
+    assert err.result is not None and err.result["stdout"] == "before" and err.result["error"] == "ValueError: bad"
