@@ -7,6 +7,8 @@ the path of the bad key.
 from __future__ import annotations
 
 import os
+import re
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Literal
 
@@ -112,9 +114,26 @@ class AgentConfig(Section):
         return v
 
 
+WorkflowName = Literal["solve_verify", "debate", "chain", "mixture", "solver_coder_refiner", "custom"]
+# How many participants each workflow takes: (fewest, most); None means no upper limit.
+WORKFLOW_AGENTS: dict[str, tuple[int, int | None]] = {
+    "solve_verify": (2, 2), "debate": (2, None), "chain": (1, None), "mixture": (2, None),
+    "solver_coder_refiner": (3, 3), "custom": (0, None),
+}
+_FUNCTION_SPEC = re.compile(r"^(?P<path>.+\.py):(?P<name>[A-Za-z_][A-Za-z0-9_]*)$")
+# The directory of the config file being loaded: a relative workflow.function is looked up there first.
+CONFIG_DIR: ContextVar[Path | None] = ContextVar("chorus_config_dir", default=None)
+
+
 class WorkflowConfig(Section):
-    name: Literal["solve_verify"] = "solve_verify"
-    solver: str = "solver"  # agent names
+    # solve_verify: `solver` answers, `verifier` gives the final answer. debate, chain, mixture and
+    # solver_coder_refiner play their turn orders over `agents` (docs/workflows.md). custom: `function`.
+    name: WorkflowName = "solve_verify"
+    agents: list[str] = Field(default_factory=list)  # participants in order; mixture: the last one aggregates
+    rounds: int | None = Field(default=None, ge=1)  # debate rounds (default 2), chain passes, mixture layers (1)
+    function: str | None = None  # custom: "path/to/file.py:function_name", relative to the config file or cwd
+    echo_chars: int | None = Field(default=None, ge=1)  # characters of an earlier turn shown later; None: all
+    solver: str = "solver"  # agent names of solve_verify
     verifier: str = "verifier"
     concurrency: int = Field(default=8, ge=1)  # K tasks in flight, each with G rollouts
     group_size: int = Field(default=8, ge=1)  # G
@@ -122,12 +141,72 @@ class WorkflowConfig(Section):
     temperature: float = Field(default=1.0, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
 
+    @model_validator(mode="after")
+    def _shape(self) -> WorkflowConfig:
+        if self.name == "custom":
+            if self.function is None:
+                raise ValueError("workflow.function: required when workflow.name is 'custom' "
+                                 "(e.g. 'my_workflow.py:critique')")
+            self.function = _resolve_function(self.function)
+        elif self.function is not None:
+            raise ValueError(f"workflow.function: only read when workflow.name is 'custom' (it is {self.name!r})")
+        n, (lo, hi) = len(self.agents), WORKFLOW_AGENTS[self.name]
+        if self.name == "solve_verify":
+            if self.agents and self.agents != [self.solver, self.verifier]:
+                raise ValueError("workflow.agents: solve_verify takes its agents from workflow.solver and "
+                                 "workflow.verifier; leave workflow.agents out")
+        elif n < lo or (hi is not None and n > hi):
+            want = f"exactly {lo}" if lo == hi else f"at least {lo}"
+            raise ValueError(f"workflow.agents: {self.name} takes {want} agents, got {n}: {self.agents}")
+        if self.name == "debate" and len(set(self.agents)) != n:
+            raise ValueError(f"workflow.agents: debate agents must be distinct, got {self.agents}")
+        if self.name in ("solve_verify", "solver_coder_refiner") and self.rounds not in (None, 1):
+            raise ValueError(f"workflow.rounds: {self.name} has one round, got {self.rounds}")
+        return self
+
+
+def _resolve_function(spec: str) -> str:
+    """Check ``path.py:name`` and make a relative path absolute when the file is found next to the config or in
+    the working directory (services read a copy of the config elsewhere); a missing file is reported when the
+    coordinator loads it."""
+    m = _FUNCTION_SPEC.match(spec)
+    if m is None:
+        raise ValueError(f"workflow.function: expected 'path/to/file.py:function_name', got {spec!r}")
+    path = Path(m["path"]).expanduser()
+    if path.is_absolute():
+        return spec
+    config_dir = CONFIG_DIR.get()
+    for base in ([config_dir] if config_dir is not None else []) + [Path.cwd()]:
+        if (base / path).is_file():
+            return f"{(base / path).resolve()}:{m['name']}"
+    return spec
+
 
 class TaskConfig(Section):
-    name: Literal["arithmetic"] = "arithmetic"
-    max_operand: int = Field(default=4, ge=1)
+    # arithmetic: "3+4=" for tiny models; word: arithmetic word problems; code: small functions with assert
+    # tests; jsonl: a user dataset at `path`, one {"question", "answer"} object per line.
+    name: Literal["arithmetic", "word", "code", "jsonl"] = "arithmetic"
+    max_operand: int = Field(default=4, ge=1)  # arithmetic operands in 0..max_operand
     ops: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+"])
     modulo: int | None = 10  # answers reduced mod this (a single digit by default)
+    max_value: int = Field(default=20, ge=2)  # largest number in word and code problems
+    path: Path | None = None  # jsonl dataset
+    heldout: int = Field(default=0, ge=0)  # held-out tasks kept out of the training stream
+
+    @model_validator(mode="after")
+    def _path_for_jsonl(self) -> TaskConfig:
+        if self.name == "jsonl" and self.path is None:
+            raise ValueError("path: a task with name 'jsonl' needs the path of a JSONL file")
+        return self
+
+
+class RewardSection(Section):
+    """MARTI reward shaping of each agent's turn rewards, and an optional LLM judge."""
+
+    shaping: Literal["none", "quality", "margin"] = "none"
+    scope: Literal["last", "all"] = "all"  # history of the shaping: the previous turn, or all earlier turns
+    alpha: float = Field(default=0.5, ge=0.0)
+    judge: str | None = None  # an agent that scores responses
 
 
 class TrainConfig(Section):
@@ -173,6 +252,7 @@ class ChorusConfig(BaseSettings):
     agents: dict[str, AgentConfig]
     workflow: WorkflowConfig = Field(default_factory=WorkflowConfig)
     task: TaskConfig = Field(default_factory=TaskConfig)
+    reward: RewardSection = Field(default_factory=RewardSection)
     train: TrainConfig = Field(default_factory=TrainConfig)
     mq: MqConfig = Field(default_factory=MqConfig)
     actions: ActionsConfig = Field(default_factory=ActionsConfig)
@@ -204,10 +284,20 @@ class ChorusConfig(BaseSettings):
         for name, m in self.models.items():
             if m.lora is not None and not self.adapters_of(name):
                 raise ValueError(f"models.{name}.lora: no agent names an adapter of this model")
-        for role in ("solver", "verifier"):
-            agent = getattr(self.workflow, role)
+        if self.reward.judge is not None and self.reward.judge not in self.agents:
+            raise ValueError(f"reward.judge: agent {self.reward.judge!r} is not one of agents {sorted(self.agents)}")
+        wf = self.workflow
+        if wf.name == "solve_verify":
+            for role in ("solver", "verifier"):
+                agent = getattr(wf, role)
+                if agent not in self.agents:
+                    raise ValueError(f"workflow.{role}: agent {agent!r} is not one of agents {sorted(self.agents)}")
+            wf.agents = [wf.solver, wf.verifier]
+        elif wf.name == "custom" and not wf.agents:
+            wf.agents = list(self.agents)
+        for i, agent in enumerate(wf.agents):
             if agent not in self.agents:
-                raise ValueError(f"workflow.{role}: agent {agent!r} is not one of agents {sorted(self.agents)}")
+                raise ValueError(f"workflow.agents[{i}]: agent {agent!r} is not one of agents {sorted(self.agents)}")
         if self.train.global_batch % self.workflow.group_size:
             raise ValueError(
                 f"train.global_batch ({self.train.global_batch}) must be a multiple of "
@@ -280,12 +370,15 @@ def load_config(path: str | os.PathLike[str] | None = None, **overrides: Any) ->
             raise ConfigError(f"config file {p}: expected a mapping at the top, got {type(loaded).__name__}")
         data = loaded
     data = _deep_merge(data, overrides)
+    token = CONFIG_DIR.set(Path(path).resolve().parent if path is not None else None)
     try:
         return ChorusConfig(**data)
     except ValidationError as exc:
         raise ConfigError(_format_error(exc, source)) from None
     except ValueError as exc:
         raise ConfigError(f"invalid config {source}: {exc}") from None
+    finally:
+        CONFIG_DIR.reset(token)
 
 
 def config_from_yaml_text(text: str) -> ChorusConfig:

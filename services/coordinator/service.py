@@ -1,5 +1,5 @@
-"""The coordinator: K task loops run ``solve_verify`` episodes through rollouters and the actions service and
-publish every agent turn as a Sample to its model's trajectory stream."""
+"""The coordinator: K task loops play the configured workflow (G rollouts of a task at once) through the
+rollouters and the actions service and publish every agent turn as a Sample to its model's trajectory stream."""
 
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ from nats.aio.msg import Msg
 
 from services.coordinator.admission import Admission
 from services.coordinator.tasks import TaskSource
-from services.coordinator.workflow import Episode, GenResult, solve_verify
+from services.coordinator.workflows import Abandon, Episode, GenResult, Tokenizers, run_episode, workflow_of
 from shared.bus import kv_get_int
 from shared.codec import DecodeError, decode, decode_json, encode
+from shared.config import ChorusConfig
 from shared.schemas import ActionRequest, ActionResult, Array, DepthReport, GenRequest, GenResponse
 from shared.service import Service
-from shared.tokenizer import EOS_ID, ByteTokenizer
 
 MAX_ATTEMPTS = 8
 BACKOFF_MAX_S = 5.0
@@ -27,10 +27,6 @@ POLL_S = 0.05  # backpressure / budget re-check period
 VERSION_POLL_S = 0.2
 DRAIN_S = 20.0
 EMA = 0.05
-
-
-class Abandon(Exception):
-    """A request failed for good (attempts exhausted or the service is stopping): drop the task."""
 
 
 class RetryableError(Exception):
@@ -42,11 +38,19 @@ class CoordinatorService(Service):
 
     name = "coordinator"
 
+    def __init__(self, cfg: ChorusConfig, *, nats_url: str, instance: str = "0", model: str | None = None) -> None:
+        super().__init__(cfg, nats_url=nats_url, instance=instance, model=model)
+        # A custom workflow is imported here, so a bad file or name stops the service before it connects.
+        self.workflow = workflow_of(cfg)
+
     async def setup(self) -> None:
         cfg = self.cfg
         wf = cfg.workflow
-        self.tok = ByteTokenizer()
-        self.models = sorted({cfg.agents[wf.solver].model, cfg.agents[wf.verifier].model})
+        # The models that get samples: their backlogs and budgets pace the run (a judge's model only answers).
+        self.models = sorted({cfg.agents[a].model for a in wf.agents})
+        self.tokenizers = Tokenizers(cfg)
+        for m in sorted({*self.models, *([cfg.agents[cfg.reward.judge].model] if cfg.reward.judge else [])}):
+            await self.tokenizers.get(m)
         self.admission = Admission(self.models, cfg.train.max_versions,
                                    stale_after_s=max(5.0, 10 * cfg.mq.report_interval_s))
         self.served: dict[str, int] = {}
@@ -141,8 +145,8 @@ class CoordinatorService(Service):
             self.counters["tasks_started"] += 1
             self.in_flight += 1
             try:
-                ep = await solve_verify(self.cfg, task, env_idx, self._generate, self._check,
-                                        lambda: dict(self.served), self.tok)
+                ep = await run_episode(self.cfg, task, env_idx, self.workflow, self._generate, self._act,
+                                       lambda: dict(self.served), self.tokenizers)
             except (Abandon, ValueError) as exc:
                 self.counters["tasks_abandoned"] += 1
                 self.log.warning("task abandoned", task=task.task_id, error=str(exc))
@@ -158,6 +162,8 @@ class CoordinatorService(Service):
 
     def _record(self, ep: Episode) -> None:
         self.counters["tasks_done"] += 1
+        self.counters["groups_incomplete_dropped"] += ep.dropped_groups
+        self.counters["turns_untrained"] += ep.untrained_turns
         for agent, rewards in ep.rewards.items():
             mean = sum(rewards) / max(1, len(rewards))
             prev = self.reward_ema.get(agent)
@@ -213,10 +219,11 @@ class CoordinatorService(Service):
         raise Abandon(f"{what} request to {subject} got no answer after {attempt + 1} attempt(s)")
 
     async def _generate(self, model: str, adapter: str | None, prompts: list[list[int]], *,
-                        max_new_tokens: int, temperature: float, top_p: float) -> list[GenResult]:
+                        max_new_tokens: int, temperature: float, top_p: float,
+                        stop: list[str] | None = None) -> list[GenResult]:
         req = GenRequest(request_id=uuid.uuid4().hex, prompts=[Array.of(p, "int32") for p in prompts],
                          max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, adapter=adapter,
-                         stop_ids=[EOS_ID])
+                         stop_ids=[(await self.tokenizers.get(model)).eos_id], stop=stop or [])
         data = encode(req)
         timeout_s = self.cfg.models[model].rollouter.request_timeout_s
         for attempt in range(MAX_ATTEMPTS):
@@ -242,15 +249,14 @@ class CoordinatorService(Service):
                               version=resp.version, seconds=seconds) for o in resp.outputs]
         raise Abandon(f"generation for {model} failed after retries")
 
-    async def _check(self, payloads: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    async def _act(self, kind: str, payloads: list[dict[str, Any]]) -> list[dict[str, Any]]:
         acfg = self.cfg.actions
-        req = ActionRequest(action_id=uuid.uuid4().hex, kind="check_answer", payloads=payloads,
-                            timeout_s=acfg.timeout_s)
+        req = ActionRequest(action_id=uuid.uuid4().hex, kind=kind, payloads=payloads, timeout_s=acfg.timeout_s)
         data = encode(req)
         # Actions queue FCFS behind other tasks' checks: allow for a full queue of timeouts.
         timeout_s = acfg.timeout_s * (1 + -(-len(payloads) // acfg.cores)) + 10.0
         for attempt in range(MAX_ATTEMPTS):
-            raw = await self._request(self.names.actions_submit(), data, timeout_s, "check")
+            raw = await self._request(self.names.actions_submit(), data, timeout_s, "act")
             try:
                 result = decode(ActionResult, raw)
                 if result.error:
@@ -258,15 +264,15 @@ class CoordinatorService(Service):
                 if len(result.results) != len(payloads):
                     raise RetryableError(f"{len(result.results)} results for {len(payloads)} payloads")
             except (DecodeError, RetryableError) as exc:
-                self.counters["check_error_replies"] += 1
-                self.counters["check_retries"] += 1
-                self.log.warning("bad actions reply", error=str(exc))
+                self.counters["act_error_replies"] += 1
+                self.counters["act_retries"] += 1
+                self.log.warning("bad actions reply", kind=kind, error=str(exc))
                 if self.stopping:
                     break
                 await asyncio.sleep(self._backoff(attempt))
                 continue
             failed = sum(e is not None for e in result.errors)
             if failed:
-                self.counters["check_action_errors"] += failed  # those rows score 0
+                self.counters["act_row_errors"] += failed  # those rows score 0
             return result.results
-        raise Abandon("answer checks failed after retries")
+        raise Abandon(f"{kind} actions failed after retries")

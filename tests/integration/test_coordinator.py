@@ -21,7 +21,7 @@ from shared.config import ChorusConfig, load_config
 from shared.modeling import build_model
 from shared.schemas import Array, DepthReport, GenOutput, GenRequest, GenResponse, Sample
 from shared.subjects import Names
-from shared.tokenizer import EOS_ID
+from shared.tokenizer import EOS_ID, ByteTokenizer
 
 MODELS = ("solver_lm", "verifier_lm")
 G = 4
@@ -234,3 +234,91 @@ async def test_malformed_depth_report_goes_to_the_dlq(cluster: dict):
     entry = await dlq.next_msg(timeout=3)
     assert "DepthReport" in entry.headers["Chorus-Reason"]
     assert coord.counters["dlq"] == 1
+
+
+# --- a debate through real rollouters -------------------------------------------------------------------------
+DEBATE_G = 2
+DEBATE_TURNS = {0: "a", 1: "b", 2: "c", 3: "a", 4: "b", 5: "c"}  # 3 agents x 2 rounds
+
+
+def write_debate_config(tmp_path, run_id: str) -> ChorusConfig:
+    arch = "arch: {hidden_size: 32, num_layers: 1, num_heads: 2, intermediate_size: 64, max_position: 96}, " \
+           "rollouter: {request_timeout_s: 20.0, batch_window_ms: 5.0}"
+    p = tmp_path / "debate.yaml"
+    p.write_text(f"""
+run: {{id: {run_id}, dir: {tmp_path}, seed: 5}}
+models: {{debate_lm: {{{arch}}}, critic_lm: {{{arch}, lora: {{r: 2}}}}}}
+agents:
+  a: {{model: debate_lm, prompt: "A:"}}
+  b: {{model: debate_lm, prompt: "B:"}}
+  c: {{model: critic_lm, adapter: cx, prompt: "C:"}}
+workflow: {{name: debate, agents: [a, b, c], rounds: 2, concurrency: 1, group_size: {DEBATE_G}, max_new_tokens: 3,
+           echo_chars: 4}}
+task: {{max_operand: 4, ops: ["+"], modulo: 10}}
+train: {{max_versions: 100, global_batch: 4, micro_batch: 4}}
+mq: {{report_interval_s: 0.1}}
+actions: {{cores: 1, timeout_s: 2.0, memory_mb: 256}}
+metrics_interval_s: 0.5
+""")
+    return load_config(p)
+
+
+async def test_a_debate_through_real_rollouters_publishes_whole_groups_of_every_agent_turn(
+        nats_url: str, run_id: str, tmp_path) -> None:
+    from services.rollouter.service import RollouterService
+
+    cfg = write_debate_config(tmp_path, run_id)
+    names = Names(run_id)
+    actions = ActionsService(cfg, nats_url=nats_url)
+    running = [(actions, await start(actions))]
+    nc = await nats.connect(nats_url)
+    try:
+        for model in ("debate_lm", "critic_lm"):
+            svc = RollouterService(cfg, nats_url=nats_url, instance="0", model=model)
+            task = asyncio.create_task(svc.serve())
+            running.append((svc, task))
+            for _ in range(400):  # registered in KV = subscribed and serving
+                if task.done():
+                    raise AssertionError(f"rollouter {model} exited with {task.result()}")
+                try:
+                    await actions.kv.get(names.rollouter_key(model, "0"))
+                    break
+                except Exception:  # not registered yet
+                    await asyncio.sleep(0.05)
+        js = nc.jetstream()
+        subs = {m: await pull_consumer(js, stream=names.traj_stream(m), subject=names.traj(m), durable=f"d_{m}",
+                                       ack_wait_s=30, max_ack_pending=10_000) for m in ("debate_lm", "critic_lm")}
+        coord = CoordinatorService(cfg, nats_url=nats_url)
+        running.append((coord, await start(coord)))
+        # One task: a and b take turns 0, 1, 3, 4 on debate_lm; c takes turns 2 and 5 on critic_lm.
+        got = {"debate_lm": await drain(subs["debate_lm"], 4 * DEBATE_G),
+               "critic_lm": await drain(subs["critic_lm"], 2 * DEBATE_G)}
+    finally:
+        for svc, task in reversed(running):
+            svc.stop()
+            assert await asyncio.wait_for(task, 40) == 0
+        await nc.close()
+
+    samples = [decode(Sample, m.data) for msgs in got.values() for m in msgs]
+    assert len(got["debate_lm"]) == 4 * DEBATE_G and len(got["critic_lm"]) == 2 * DEBATE_G, dict(coord.counters)
+    task_id = samples[0].group_key.split(":")[0]
+    groups: dict[str, list[int]] = {}
+    for model, msgs in got.items():
+        for msg in msgs:
+            s = decode(Sample, msg.data)
+            assert s.model == model and msg.headers["Nats-Msg-Id"] == s.sample_id
+            assert s.agent == DEBATE_TURNS[s.turn] and s.group_key == f"{task_id}:{s.agent}:{s.turn}"
+            assert s.sample_id == f"{task_id}_{s.turn}_{s.rollout_idx}" and s.group_size == DEBATE_G
+            assert s.adapter == ("cx" if s.agent == "c" else None)
+            assert 0.0 <= s.reward <= 1.0 and len(s.response_ids) == len(s.behavior_logprobs) >= 1
+            groups.setdefault(s.group_key, []).append(s.rollout_idx)
+            # Round 1 sees the other two agents' round-0 answers; round 0 only the question.
+            prompt = ByteTokenizer().decode(s.prompt_ids.tolist())
+            system = {"a": "A:", "b": "B:", "c": "C:"}[s.agent]
+            others = [f"\n{x}: " for x in "abc" if x != s.agent]
+            assert prompt.startswith(system) and prompt.endswith("\n" if s.turn >= 3 else "=")
+            assert all(o in prompt for o in others) == (s.turn >= 3)
+    assert {k: sorted(v) for k, v in groups.items()} == {
+        f"{task_id}:{a}:{t}": list(range(DEBATE_G)) for t, a in DEBATE_TURNS.items()}
+    assert coord.counters["tasks_done"] >= 1 and coord.counters["groups_incomplete_dropped"] == 0
+    assert set(coord.metrics_snapshot()["reward_ema"]) == {"a", "b", "c"}

@@ -1,0 +1,158 @@
+"""Per-turn rewards of the built-in workflows: the task's check (an action), or an LLM judge; the vote.
+
+The check depends on the task: arithmetic answers go to ``check_answer``, math answers to ``check_math``,
+code (a task with ``tests``) to ``run_code``. With ``reward.judge`` set, that agent scores every turn instead.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from services.coordinator.rewards import extract_answer, judge_prompt, math_equal, parse_judge
+from services.coordinator.workflows.api import Context, Turn
+
+if TYPE_CHECKING:
+    from services.coordinator.tasks import Task
+
+ANSWER_CHECKS = {"arithmetic": "check_answer"}  # other task kinds: check_math
+RUN_ONLY = "assert True\n"  # an answer task's program runs for what it prints; run_code needs one assert
+_FENCE = re.compile(r"```[ \t]*(?:python|py)?[ \t]*\n(.*?)(?:```|$)", re.DOTALL | re.IGNORECASE)
+
+
+@dataclass
+class Score:
+    reward: float  # in [0, 1]
+    correct: bool
+    answer: str
+
+
+def tests_of(task: Task) -> str | None:
+    """The task's assert tests; None for a task checked by its answer."""
+    tests = getattr(task, "tests", None)
+    return tests if isinstance(tests, str) and tests.strip() else None
+
+
+def is_code_task(task: Task) -> bool:
+    return tests_of(task) is not None
+
+
+def extract_code(text: str) -> str:
+    """The last fenced Python block of ``text`` (an unclosed one counts), else the whole text."""
+    blocks = _FENCE.findall(text)
+    return (blocks[-1] if blocks else text).strip("\n")
+
+
+def reward_value(result: dict[str, Any]) -> float:
+    """A check result's reward in [0, 1]: ``reward``, else ``passed / total`` of a test run; 0 when neither."""
+    value = result.get("reward")
+    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+        return min(1.0, max(0.0, float(value)))
+    passed, total = result.get("passed"), result.get("total")
+    if isinstance(passed, int) and isinstance(total, int) and total > 0:
+        return min(1.0, max(0.0, passed / total))
+    return 0.0
+
+
+def score_of(result: dict[str, Any], text: str) -> Score:
+    reward = reward_value(result)
+    answer = result.get("answer")
+    if not isinstance(answer, str) or not answer:
+        answer = extract_answer(text) or ""
+    return Score(reward, bool(result.get("correct", reward >= 1.0)), answer)
+
+
+def printed(result: dict[str, Any]) -> str:
+    """What a code run printed."""
+    out = result.get("stdout")
+    return out if isinstance(out, str) else ""
+
+
+def tool_text(result: dict[str, Any]) -> str:
+    """What a code run shows the next agent: its output and its error, if any."""
+    parts = [printed(result).strip()]
+    error = result.get("error")
+    if isinstance(error, str) and error:
+        parts.append(f"error: {error}")
+    return "\n".join(p for p in parts if p)
+
+
+async def run_code(ctx: Context, task: Task, texts: Sequence[str]) -> list[dict[str, Any]]:
+    """Run the code in each text against the task's tests (an answer task's program only runs: its output is
+    the answer)."""
+    tests = tests_of(task) or RUN_ONLY
+    return await ctx.act("run_code", [{"code": extract_code(t), "tests": tests} for t in texts])
+
+
+async def check(ctx: Context, task: Task, texts: Sequence[str], finished: Sequence[bool]) -> list[Score]:
+    """The task's check of each text (for a code task the text holds the code)."""
+    if not texts:
+        return []
+    judge = ctx.cfg.reward.judge
+    if judge is not None:
+        return await judge_scores(ctx, judge, task.question, texts)
+    if is_code_task(task):
+        results = await run_code(ctx, task, texts)
+    else:
+        kind = ANSWER_CHECKS.get(ctx.cfg.task.name, "check_math")
+        results = await ctx.act(kind, [{"expected": task.answer, "response": t, "finished": bool(f)}
+                                       for t, f in zip(texts, finished, strict=True)])
+    return [score_of(r, t) for r, t in zip(results, texts, strict=True)]
+
+
+async def judge_scores(ctx: Context, judge: str, question: str, texts: Sequence[str]) -> list[Score]:
+    """The judge agent's score of each text; an unreadable verdict scores 0. Judge turns are not trained."""
+    rows = await ctx.generate(judge, [judge_prompt(question, t) for t in texts])
+    out = []
+    for row, text in zip(rows, texts, strict=True):
+        value = parse_judge(row.text)
+        reward = 0.0 if value is None else min(1.0, max(0.0, value))
+        out.append(Score(reward, reward >= 1.0, extract_answer(text) or ""))
+    return out
+
+
+async def score_turns(ctx: Context, task: Task, turns: Sequence[Turn]) -> None:
+    """Set every turn's ``reward`` (and ``answer`` / ``correct`` in its metadata) from one batched check.
+
+    A code turn of an answer task is scored by what its program printed; of a code task by its test run.
+    """
+    todo: list[tuple[Turn, str, bool]] = []
+    for t in turns:
+        meta = t["metadata"]
+        tool = meta.get("tool_result")
+        if tool is not None and is_code_task(task) and ctx.cfg.reward.judge is None:
+            s = score_of(tool, t["agent_output"])
+            t["reward"], meta["answer"], meta["correct"] = s.reward, s.answer, s.correct
+            continue
+        text = printed(tool) if tool is not None else t["agent_output"]
+        todo.append((t, text, bool(meta.get("finished", True))))
+    scores = await check(ctx, task, [x[1] for x in todo], [x[2] for x in todo])
+    for (t, _, _), s in zip(todo, scores, strict=True):
+        t["reward"] = s.reward
+        t["metadata"]["answer"], t["metadata"]["correct"] = s.answer, s.correct
+
+
+def majority(turns: Sequence[Turn]) -> Turn:
+    """The turn holding the most common answer (equal answers by value); ties go to the earliest turn.
+    Turns without an answer do not vote; if none has one, the first turn stands."""
+    if not turns:
+        raise ValueError("majority vote over no turns")
+    votes: list[tuple[str, list[Turn]]] = []
+    for t in turns:
+        answer = t["metadata"].get("answer") or extract_answer(t["agent_output"]) or ""
+        if not answer:
+            continue
+        for ref, members in votes:
+            if answer == ref or math_equal(answer, ref):
+                members.append(t)
+                break
+        else:
+            votes.append((answer, [t]))
+    if not votes:
+        return turns[0]
+    best = max(len(m) for _, m in votes)
+    return next(m[0] for _, m in votes if len(m) == best)
+

@@ -1,0 +1,91 @@
+"""The two-agent ``solve_verify`` workflow: a solver answers; a verifier sees the start of that answer and
+gives the final one. Both answers are checked with ``check_answer``; the solver's check runs while the
+verifier generates."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from services.coordinator.workflows.api import Context, Generate, GenResult, Tokenizers, Trajectory, Turn
+from services.coordinator.workflows.episode import Episode, run_episode
+from shared.config import ChorusConfig
+from shared.models import Tokenizer
+
+if TYPE_CHECKING:
+    from services.coordinator.tasks import Task
+
+SOLVER_TURN = 0
+VERIFIER_TURN = 1
+SOLVER_ECHO_CHARS = 4  # how much of the solver's answer the verifier sees
+
+Check = Callable[[list[dict[str, Any]]], Awaitable[list[dict[str, Any]]]]
+
+
+def printable(text: str) -> str:
+    """``text`` without non-printable characters (newlines, control bytes, replacement marks stay out)."""
+    return "".join(c for c in text if c.isprintable() and c != "\ufffd")
+
+
+def verifier_prompt(prefix: str, question: str, solver_text: str) -> str:
+    """What the verifier reads: its prompt, the question, the start of the solver's answer, then ``|``."""
+    return prefix + question + printable(solver_text[:SOLVER_ECHO_CHARS]) + "|"
+
+
+def reward_of(result: dict[str, Any]) -> tuple[float, bool]:
+    """(reward, correct) of one check result; a failed check scores 0 (clamped to [0, 1])."""
+    reward = result.get("reward", 0.0)
+    reward = float(reward) if isinstance(reward, int | float) else 0.0
+    return min(1.0, max(0.0, reward)), bool(result.get("correct", False))
+
+
+def _payload(task: Task, row: GenResult) -> dict[str, Any]:
+    return {"expected": task.answer, "response": row.text, "finished": row.finished}
+
+
+def _turn(turn_id: int, agent: str, role: str, text: str, row: GenResult, result: dict[str, Any]) -> Turn:
+    reward, correct = reward_of(result)
+    return Turn(turn_id=turn_id, agent_index=turn_id, agent_name=agent, agent_role=role, agent_input=text,
+                agent_output=row.text, reward=reward,
+                metadata={"gen_id": row.gen_id, "correct": correct, "answer": result.get("answer", "")})
+
+
+async def solve_verify_workflow(ctx: Context, task: Task) -> Trajectory:
+    """One rollout: the solver's answer, the verifier's answer after the solver's first characters."""
+    solver, verifier = ctx.cfg.workflow.solver, ctx.cfg.workflow.verifier
+    (s_row,) = await ctx.generate(solver, [task.question])
+
+    async def verify() -> tuple[str, GenResult, dict[str, Any]]:
+        # The verifier's system prompt comes first, as `chat(prompt, text)` puts it.
+        text = verifier_prompt("", task.question, s_row.text)
+        (v_row,) = await ctx.generate(verifier, [text])
+        (v_check,) = await ctx.act("check_answer", [_payload(task, v_row)])
+        return text, v_row, v_check
+
+    (s_check,), (v_text, v_row, v_check) = await asyncio.gather(
+        ctx.act("check_answer", [_payload(task, s_row)]), verify()
+    )
+    turns = [_turn(SOLVER_TURN, solver, "solver", task.question, s_row, s_check),
+             _turn(VERIFIER_TURN, verifier, "verifier", v_text, v_row, v_check)]
+    return Trajectory(prompt=task.question, label=task.answer, trajectory=turns,
+                      final_reward=turns[-1].get("reward", 0.0), final_answer=str(v_check.get("answer", "")))
+
+
+async def solve_verify(
+    cfg: ChorusConfig,
+    task: Task,
+    env_idx: int,
+    generate: Generate,
+    check: Check,
+    versions: Callable[[], dict[str, int]],
+    tokenizers: Tokenizers | Mapping[str, Tokenizer] | None = None,
+) -> Episode:
+    """Run one task: G solver rollouts in one request, G verifier rollouts in one request, checked."""
+
+    async def act(kind: str, payloads: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        if kind != "check_answer":
+            raise ValueError(f"solve_verify runs only check_answer, not {kind!r}")
+        return await check(payloads)
+
+    return await run_episode(cfg, task, env_idx, solve_verify_workflow, generate, act, versions, tokenizers)
