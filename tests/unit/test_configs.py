@@ -22,7 +22,7 @@ def test_there_are_shipped_configs() -> None:
 def test_shipped_config_loads(path: Path) -> None:
     cfg = load_config(path)
     assert cfg.models and cfg.agents
-    for agent in (cfg.workflow.solver, cfg.workflow.verifier):
+    for agent in cfg.workflow.agents:
         assert cfg.agents[agent].model in cfg.models
     assert cfg.train.micro_batch % cfg.workflow.group_size == 0  # micro-batches hold whole groups
     assert cfg.mq_capacity >= cfg.train.global_batch

@@ -1,0 +1,126 @@
+"""Each specialisation config (L1 prompts, L2 LoRA, L3 models, mixed) runs a few steps through `chorus up`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import nats
+import pytest
+import yaml
+
+from shared.codec import decode
+from shared.schemas import Sample
+from shared.tokenizer import ByteTokenizer
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.e2e
+
+CHORUS = str(Path(sys.executable).parent / "chorus")
+VERSIONS = 3
+
+
+def shrunk(name: str, tmp_path: Path, run_id: str) -> Path:
+    """configs/<name>.yaml with small groups and batches and a target of VERSIONS steps."""
+    base = yaml.safe_load((ROOT / "configs" / f"{name}.yaml").read_text())
+    base["run"] = {"id": run_id, "dir": str(tmp_path / "runs"), "seed": 0}
+    base.pop("nats", None)
+    base["workflow"].update({"concurrency": 4, "group_size": 4})
+    base["train"].update({"max_versions": VERSIONS, "global_batch": 8, "micro_batch": 8, "checkpoint_every": 0})
+    base["metrics_interval_s"] = 0.5
+    path = tmp_path / f"{run_id}.yaml"
+    path.write_text(yaml.safe_dump(base))
+    return path
+
+
+@dataclass
+class Seen:
+    """Samples published on traj.<model> and step events of the trainers, for one run."""
+
+    samples: dict[str, Sample] = field(default_factory=dict)
+    steps: list[dict[str, Any]] = field(default_factory=list)
+
+    def trained(self, model: str) -> list[Sample]:
+        """The samples that went into a step of ``model`` (those seen on the trajectory stream)."""
+        ids = [sid for s in self.steps if s["model"] == model for sid in s["sample_ids"]]
+        return [self.samples[sid] for sid in ids if sid in self.samples]
+
+
+async def run_config(name: str, nats_url: str, run_id: str, tmp_path: Path) -> Seen:
+    cfg = shrunk(name, tmp_path, run_id)
+    ours = f"chorus.{run_id}-"  # `chorus up` appends a timestamp to the run id
+    seen = Seen()
+
+    async def on_msg(msg: Any) -> None:
+        if not msg.subject.startswith(ours):
+            return
+        if ".traj." in msg.subject:
+            s = decode(Sample, msg.data)
+            seen.samples[s.sample_id] = s
+        else:
+            ev = json.loads(msg.data)
+            if ev.get("kind") == "step":
+                seen.steps.append(ev)
+
+    nc = await nats.connect(nats_url)
+    await nc.subscribe("chorus.*.traj.*", cb=on_msg)
+    await nc.subscribe("chorus.*.events.trainer", cb=on_msg)
+    env = {**os.environ, "CHORUS_NATS__URL": nats_url}
+    proc = await asyncio.create_subprocess_exec(CHORUS, "up", str(cfg), "--timeout-s", "240", env=env,
+                                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    out, _ = await proc.communicate()
+    await nc.flush()
+    await nc.close()
+    text = out.decode(errors="replace")
+    assert proc.returncode == 0, f"chorus up {name} failed:\n{text[-4000:]}"
+    models = yaml.safe_load(cfg.read_text())["models"]
+    for m in models:
+        versions = [s["version"] for s in seen.steps if s["model"] == m]
+        assert versions and max(versions) == VERSIONS, (m, versions, text[-2000:])
+        assert seen.trained(m), f"no trained sample of {m} was seen on traj.{m}"
+    return seen
+
+
+async def test_l1_one_model_trains_both_agents_told_apart_by_their_prompts(nats_url, run_id, tmp_path):
+    seen = await run_config("l1-prompts", nats_url, run_id, tmp_path)
+    trained = seen.trained("shared_lm")
+    assert {s.agent for s in trained} == {"solver", "verifier"}
+    assert all(s.adapter is None for s in trained)
+    tok = ByteTokenizer()
+    prefix = {"solver": "Solve: ", "verifier": "Check: "}
+    for s in trained:
+        assert prefix[s.agent] in tok.decode(s.prompt_ids.tolist()), (s.agent, tok.decode(s.prompt_ids.tolist()))
+
+
+async def test_l2_one_base_trains_the_adapters_of_both_agents(nats_url, run_id, tmp_path):
+    seen = await run_config("l2-lora", nats_url, run_id, tmp_path)
+    by_agent: dict[str, set[str | None]] = defaultdict(set)
+    for s in seen.trained("base_lm"):
+        by_agent[s.agent].add(s.adapter)
+    assert by_agent == {"solver": {"sol"}, "verifier": {"ver"}}
+    # The trainer's own count agrees: each step event says how many samples of each adapter it trained.
+    counted: dict[str, int] = defaultdict(int)
+    for step in (s for s in seen.steps if s["model"] == "base_lm"):
+        assert sum(step["adapter_samples"].values()) == step["samples"]
+        for adapter, n in step["adapter_samples"].items():
+            counted[adapter] += n
+    assert set(counted) == {"sol", "ver"}
+
+
+async def test_l3_every_agent_trains_a_model_of_its_own(nats_url, run_id, tmp_path):
+    seen = await run_config("l3-models", nats_url, run_id, tmp_path)
+    assert {s.agent for s in seen.trained("solver_lm")} == {"solver"}
+    assert {s.agent for s in seen.trained("verifier_lm")} == {"verifier"}
+
+
+async def test_mixed_a_lora_agent_and_a_full_model_agent_train_side_by_side(nats_url, run_id, tmp_path):
+    seen = await run_config("mixed", nats_url, run_id, tmp_path)
+    assert {(s.agent, s.adapter) for s in seen.trained("base_a")} == {("solver", "sol")}
+    assert {(s.agent, s.adapter) for s in seen.trained("full_b")} == {("verifier", None)}
