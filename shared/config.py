@@ -209,6 +209,15 @@ class RewardSection(Section):
     judge: str | None = None  # an agent that scores responses
 
 
+class EvalSection(Section):
+    """Held-out pass@1 every ``every`` versions (0 = off): one rollout per task, same settings every time."""
+
+    every: int = Field(default=0, ge=0)  # versions between evaluations; also at version 0 and at the end
+    tasks: int = Field(default=32, ge=1)  # held-out tasks (needs task.heldout >= tasks)
+    temperature: float = Field(default=0.0, ge=0.0)  # 0 = greedy
+    final_timeout_s: float = Field(default=300.0, gt=0)  # how long `chorus up` waits for the last evaluation
+
+
 class TrainConfig(Section):
     max_versions: int = Field(default=50, ge=1)
     global_batch: int = Field(default=64, ge=1)  # samples per optimizer step
@@ -253,6 +262,7 @@ class ChorusConfig(BaseSettings):
     workflow: WorkflowConfig = Field(default_factory=WorkflowConfig)
     task: TaskConfig = Field(default_factory=TaskConfig)
     reward: RewardSection = Field(default_factory=RewardSection)
+    eval: EvalSection = Field(default_factory=EvalSection)
     train: TrainConfig = Field(default_factory=TrainConfig)
     mq: MqConfig = Field(default_factory=MqConfig)
     actions: ActionsConfig = Field(default_factory=ActionsConfig)
@@ -298,6 +308,11 @@ class ChorusConfig(BaseSettings):
         for i, agent in enumerate(wf.agents):
             if agent not in self.agents:
                 raise ValueError(f"workflow.agents[{i}]: agent {agent!r} is not one of agents {sorted(self.agents)}")
+        if self.eval.every and self.task.heldout < self.eval.tasks:
+            raise ValueError(
+                f"task.heldout ({self.task.heldout}) must be at least eval.tasks ({self.eval.tasks}): held-out "
+                "tasks are kept out of the training stream"
+            )
         if self.train.global_batch % self.workflow.group_size:
             raise ValueError(
                 f"train.global_batch ({self.train.global_batch}) must be a multiple of "

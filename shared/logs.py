@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from pathlib import Path
 
 import structlog
 
@@ -33,3 +34,13 @@ def setup_logging(*, json: bool | None = None, level: str | None = None, **bound
     structlog.contextvars.clear_contextvars()
     structlog.contextvars.bind_contextvars(**{k: v for k, v in bound.items() if v is not None})
     return structlog.get_logger()
+
+
+def append_line(path: Path, line: str) -> None:
+    """One write() per line with O_APPEND, so several services (every trainer, the coordinator) share a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.write(fd, (line + "\n").encode())
+    finally:
+        os.close(fd)

@@ -237,7 +237,20 @@ async def run_up(config_path: Path, *, timeout_s: float | None = None, console: 
                 tracker.on_event(decode_json(msg.data))
 
         await nc.subscribe(names.events("trainer"), cb=on_event)
+        evals: list[dict[str, Any]] = []
+
+        async def on_coordinator(msg: Msg) -> None:
+            with contextlib.suppress(DecodeError):
+                ev = decode_json(msg.data)
+                if isinstance(ev, dict) and ev.get("kind") == "eval":
+                    evals.append(ev)
+                    console.print(f"held-out eval at version {ev.get('version')}: final answer pass@1 "
+                                  f"{ev.get('final', 0.0):.3f}, per agent {ev.get('pass1')}")
+
+        await nc.subscribe(names.events("coordinator"), cb=on_coordinator)
         code = await _supervise(cfg, nc, kv, sup, tracker, config_file, url, stop, timeout_s, console)
+        if code == 0 and cfg.eval.every:
+            code = await _await_last_eval(evals, cfg.eval.final_timeout_s, stop, console)
         if code == 130 and signals and signals[-1] == signal.SIGTERM:
             code = 143
     finally:
@@ -255,6 +268,22 @@ async def run_up(config_path: Path, *, timeout_s: float | None = None, console: 
             await asyncio.to_thread(server.stop)
     _report(run_dir, console)
     return code
+
+
+async def _await_last_eval(evals: list[dict[str, Any]], timeout_s: float, stop: asyncio.Event,
+                           console: Console) -> int:
+    """After the last version: wait for the coordinator's evaluation of the final weights."""
+    console.print("waiting for the held-out evaluation of the final weights ...")
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if any(e.get("last") for e in evals):
+            return 0
+        if stop.is_set():
+            return 130
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), 0.5)
+    console.print(f"[red]no evaluation of the final weights within {timeout_s:.0f}s")
+    return 1
 
 
 async def _supervise(cfg: ChorusConfig, nc: NATS, kv: KeyValue, sup: Supervisor, tracker: RunTracker,

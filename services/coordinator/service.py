@@ -4,6 +4,7 @@ rollouters and the actions service and publish every agent turn as a Sample to i
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import time
 import uuid
@@ -13,11 +14,13 @@ import nats.errors
 from nats.aio.msg import Msg
 
 from services.coordinator.admission import Admission
-from services.coordinator.tasks import TaskSource
+from services.coordinator.evaluation import evaluate
+from services.coordinator.tasks import TaskSource, heldout_tasks
 from services.coordinator.workflows import Abandon, Episode, GenResult, Tokenizers, run_episode, workflow_of
 from shared.bus import kv_get_int
 from shared.codec import DecodeError, decode, decode_json, encode
 from shared.config import ChorusConfig
+from shared.logs import append_line
 from shared.schemas import ActionRequest, ActionResult, Array, DepthReport, GenRequest, GenResponse
 from shared.service import Service
 
@@ -67,7 +70,16 @@ class CoordinatorService(Service):
         for m in self.models:
             await self.nc.subscribe(self.names.depth(m), cb=self._on_depth)
         self.spawn(self._version_loop(), "versions")
-        self._loops = [self.spawn(self._task_loop(), f"loop{k}") for k in range(wf.concurrency)]
+        self.heldout = heldout_tasks(cfg.task, cfg.eval.tasks, cfg.run.seed) if cfg.eval.every else []
+        self._loops: list[asyncio.Task[None]] = []
+        if self.heldout:
+            # The "before" evaluation runs on version-0 weights: no task is admitted until it is done.
+            self.spawn(self._eval_loop(), "eval")
+        else:
+            self._start_loops()
+
+    def _start_loops(self) -> None:
+        self._loops = [self.spawn(self._task_loop(), f"loop{k}") for k in range(self.cfg.workflow.concurrency)]
 
     async def teardown(self) -> None:
         # Loops see `stopping` and finish the episode they are in; what is not done in time is abandoned.
@@ -137,6 +149,33 @@ class CoordinatorService(Service):
                 self.counters["backpressure_waits"] += 1
             await asyncio.sleep(POLL_S)
         return False
+
+    # --- held-out evaluation --------------------------------------------------------------
+    async def _evaluate(self, final: bool) -> None:
+        rec = await evaluate(self.cfg, self.heldout, self.workflow, self._generate, self._act,
+                             lambda: dict(self.served), self.tokenizers)
+        rec["last"] = final
+        self.counters["evaluations"] += 1
+        self.log.info("evaluation", version=rec["version"], pass1=rec["pass1"], final=rec["final"], last=final)
+        await asyncio.to_thread(append_line, self.cfg.run_dir / "metrics.jsonl", json.dumps(rec, separators=(",", ":")))
+        await self.event("eval", **{k: v for k, v in rec.items() if k != "kind"})
+
+    async def _eval_loop(self) -> None:
+        """Evaluate at version 0, then each time every model has moved ``eval.every`` versions, then once more
+        when the training budget is spent and the last weights are served."""
+        cfg = self.cfg
+        await self._evaluate(final=False)
+        self._start_loops()
+        done_at = 0
+        while not self.stopping:
+            served = min(self.served.values(), default=0)
+            if self.admission.budget_spent and served >= cfg.train.max_versions:
+                await self._evaluate(final=True)
+                return
+            if served - done_at >= cfg.eval.every and served < cfg.train.max_versions:
+                done_at = served
+                await self._evaluate(final=False)
+            await asyncio.sleep(VERSION_POLL_S)
 
     # --- task loops ---------------------------------------------------------------------
     async def _task_loop(self) -> None:

@@ -11,11 +11,9 @@ import asyncio
 import functools
 import json
 import math
-import os
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any, TypeVar
 
 import nats.errors
@@ -27,6 +25,7 @@ from services.trainer.intake import SeenIds, StepBook, filter_samples
 from services.trainer.learner import Learner
 from shared.bus import fetch, kv_put_int_max, pull_consumer
 from shared.codec import DecodeError, decode, encode
+from shared.logs import append_line
 from shared.schemas import DropEvent, MicroBatch, Sample, StepRecord, WeightsAnnounce
 from shared.service import Service
 from shared.weights import flatten, pack
@@ -43,16 +42,6 @@ def _init_worker(threads: int) -> None:
     import torch
 
     torch.set_num_threads(threads)
-
-
-def _append_line(path: Path, line: str) -> None:
-    """One write() per line with O_APPEND so the trainers of several models can share the file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    try:
-        os.write(fd, (line + "\n").encode())
-    finally:
-        os.close(fd)
 
 
 class TrainerService(Service):
@@ -230,7 +219,7 @@ class TrainerService(Service):
         self.book = StepBook()
         self.counters["steps"] += 1
         line = record.model_dump(mode="json", exclude={"schema_"})
-        await asyncio.to_thread(_append_line, self.metrics_path, json.dumps(line, separators=(",", ":")))
+        await asyncio.to_thread(append_line, self.metrics_path, json.dumps(line, separators=(",", ":")))
         await self.event("step", **line, grad_norm=result.grad_norm, adapter_samples=adapter_samples, **result.stats)
         self.log.info("step", version=result.version, samples=result.samples, loss=round(result.loss, 5),
                       reward_mean=round(record.reward_mean, 4))
