@@ -138,3 +138,12 @@ def test_admission_budget_is_spent_when_every_model_reached_max_versions():
     adm.on_trained("b", 4)
     adm.on_trained("a", 1)  # versions never go back
     assert adm.budget_spent
+
+
+def test_language_model_verifiers_read_the_question_and_the_proposed_answer():
+    from services.coordinator.workflows.solve_verify import verifier_text
+
+    task = Task("t-9", "Ann has 3 pens and buys 4 more. How many pens does she have now?", "7")
+    assert verifier_text("word", task, " 7 pens\n", None) == f"{task.question}\nProposed answer: 7 pens"
+    assert verifier_text("word", task, "12345", 2).endswith("Proposed answer: 12")
+    assert verifier_text("arithmetic", Task("t-8", "3+4=", "7"), "7", None) == "3+4=7|"

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from services.coordinator.workflows.api import Context, Generate, GenResult, Tokenizers, Trajectory, Turn
 from services.coordinator.workflows.episode import Episode, run_episode
+from services.coordinator.workflows.scoring import ANSWER_CHECKS
 from shared.config import ChorusConfig
 from shared.models import Tokenizer
 
@@ -31,6 +32,15 @@ def printable(text: str) -> str:
 def verifier_prompt(prefix: str, question: str, solver_text: str) -> str:
     """What the verifier reads: its prompt, the question, the start of the solver's answer, then ``|``."""
     return prefix + question + printable(solver_text[:SOLVER_ECHO_CHARS]) + "|"
+
+
+def verifier_text(task_name: str, task: Task, solver_text: str, echo_chars: int | None) -> str:
+    """The verifier's user message: the compact ``3+4=7|`` on ``arithmetic`` (the tiny byte models' task);
+    otherwise the question and the solver's proposed answer (cut to ``workflow.echo_chars`` if set)."""
+    if task_name == "arithmetic":
+        return verifier_prompt("", task.question, solver_text)
+    shown = solver_text if echo_chars is None else solver_text[:echo_chars]
+    return f"{task.question}\nProposed answer: {shown.strip()}"
 
 
 def reward_of(result: dict[str, Any]) -> tuple[float, bool]:
@@ -58,13 +68,14 @@ async def solve_verify_workflow(ctx: Context, task: Task) -> Trajectory:
 
     async def verify() -> tuple[str, GenResult, dict[str, Any]]:
         # The verifier's system prompt comes first, as `chat(prompt, text)` puts it.
-        text = verifier_prompt("", task.question, s_row.text)
+        text = verifier_text(ctx.cfg.task.name, task, s_row.text, ctx.cfg.workflow.echo_chars)
         (v_row,) = await ctx.generate(verifier, [text])
-        (v_check,) = await ctx.act("check_answer", [_payload(task, v_row)])
+        (v_check,) = await ctx.act(check_kind, [_payload(task, v_row)])
         return text, v_row, v_check
 
+    check_kind = ANSWER_CHECKS.get(ctx.cfg.task.name, "check_math")
     (s_check,), (v_text, v_row, v_check) = await asyncio.gather(
-        ctx.act("check_answer", [_payload(task, s_row)]), verify()
+        ctx.act(check_kind, [_payload(task, s_row)]), verify()
     )
     turns = [_turn(SOLVER_TURN, solver, "solver", task.question, s_row, s_check),
              _turn(VERIFIER_TURN, verifier, "verifier", v_text, v_row, v_check)]
