@@ -62,27 +62,28 @@ def score_answer(expected: str, response: str, finished: bool = True) -> dict[st
     return {"reward": reward, "correct": reward == 1.0, "answer": answer, "finished": bool(finished)}
 
 
-@register("check_answer")
-def check_answer(payload: dict[str, Any]) -> dict[str, Any]:
-    """Payload ``{"expected", "response", "finished"}`` -> ``{"reward", "correct", "answer", "finished"}``."""
+def expected_and_response(kind: str, payload: dict[str, Any]) -> tuple[str, str]:
+    """The two strings every answer check reads; anything else is a ValueError naming the action."""
     expected, response = payload.get("expected"), payload.get("response")
     if not isinstance(expected, str) or not isinstance(response, str):
         raise ValueError(
-            f"check_answer needs string 'expected' and 'response', got {type(expected).__name__} "
+            f"{kind} needs string 'expected' and 'response', got {type(expected).__name__} "
             f"and {type(response).__name__}"
         )
+    return expected, response
+
+
+@register("check_answer")
+def check_answer(payload: dict[str, Any]) -> dict[str, Any]:
+    """Payload ``{"expected", "response", "finished"}`` -> ``{"reward", "correct", "answer", "finished"}``."""
+    expected, response = expected_and_response("check_answer", payload)
     return score_answer(expected, response, bool(payload.get("finished", False)))
 
 
 @register("check_math")
 def check_math(payload: dict[str, Any]) -> dict[str, Any]:
     """Payload ``{"expected", "response"}`` -> ``{"reward", "correct", "answer"}`` from the response's final answer."""
-    expected, response = payload.get("expected"), payload.get("response")
-    if not isinstance(expected, str) or not isinstance(response, str):
-        raise ValueError(
-            f"check_math needs string 'expected' and 'response', got {type(expected).__name__} "
-            f"and {type(response).__name__}"
-        )
+    expected, response = expected_and_response("check_math", payload)
     answer = extract_answer(response)
     correct = math_equal(answer, expected)
     return {"reward": 1.0 if correct else 0.0, "correct": correct, "answer": answer or ""}

@@ -9,7 +9,7 @@ import yaml
 
 from services.actions.actions import check_answer
 from services.coordinator.tasks import Task
-from services.coordinator.workflow import GenResult, printable, solve_verify, verifier_prompt
+from services.coordinator.workflows import GenResult, printable, solve_verify, verifier_prompt
 from shared.config import ChorusConfig
 from shared.tokenizer import EOS_ID, ByteTokenizer
 
