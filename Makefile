@@ -6,7 +6,7 @@ STAMP := $(VENV)/.chorus-installed
 TORCH_VERSION := 2.13.0
 # Set e.g. TORCH_INDEX=https://download.pytorch.org/whl/cpu where the default index only has CUDA wheels.
 TORCH_INDEX ?=
-CONFIG ?= configs/tiny-chain.yaml
+CONFIG ?= configs/demo.yaml
 
 .PHONY: venv demo test e2e lint plot bench clean
 

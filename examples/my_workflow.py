@@ -11,8 +11,10 @@ from typing import Any
 
 
 def check_kind(ctx: Any) -> str:
-    """The action that checks an answer of this run's tasks."""
-    return "check_answer" if ctx.cfg.task.name == "arithmetic" else "check_math"
+    """The action that checks an answer of this run's tasks: the leading number of a compact ``3+4=``
+    completion, else the reply's final answer."""
+    task = ctx.cfg.task
+    return "check_answer" if task.name == "arithmetic" and task.phrasing == "compact" else "check_math"
 
 
 def turn(ctx: Any, turn_id: int, agent: str, role: str, text: str, row: Any, reward: float) -> dict[str, Any]:

@@ -186,6 +186,9 @@ class TaskConfig(Section):
     # arithmetic: "3+4=" for tiny models; word: arithmetic word problems; code: small functions with assert
     # tests; jsonl: a user dataset at `path`, one {"question", "answer"} object per line.
     name: Literal["arithmetic", "word", "code", "jsonl"] = "arithmetic"
+    # arithmetic only. compact: "3+4=", answered by the number the response starts with (a completion, for
+    # tiny byte models); question: "What is 3 + 4?", answered by the response's final answer (chat models).
+    phrasing: Literal["compact", "question"] = "compact"
     max_operand: int = Field(default=4, ge=1)  # arithmetic operands in 0..max_operand
     ops: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+"])
     modulo: int | None = 10  # answers reduced mod this (a single digit by default)

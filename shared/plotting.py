@@ -57,6 +57,20 @@ def eval_table_rows(evals: list[dict[str, Any]]) -> list[tuple[str, float, float
     return rows
 
 
+def smoothing_window(n: int) -> int:
+    """Steps averaged in the reward curves: about a twentieth of the run, odd, 1 for short runs."""
+    w = max(1, n // 20)
+    return w if w % 2 else w + 1 if w > 1 else 1
+
+
+def rolling_mean(xs: list[float], window: int) -> list[float]:
+    """Mean of each point with its neighbours (``window`` wide, centred, shorter at the ends)."""
+    if window <= 1:
+        return list(xs)
+    half = window // 2
+    return [sum(xs[max(0, i - half): i + half + 1]) / len(xs[max(0, i - half): i + half + 1]) for i in range(len(xs))]
+
+
 def by_model(records: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     """Group records per model, sorted by version."""
     out: dict[str, list[dict[str, Any]]] = defaultdict(list)
@@ -99,15 +113,20 @@ def plot_run(metrics_path: str | os.PathLike[str], out_path: str | os.PathLike[s
         fig, (ax_r, ax_s, ax_e) = plt.subplots(3, 1, figsize=(9, 9.5), sharex=True, height_ratios=[2, 1, 1.5])
     else:
         fig, (ax_r, ax_s) = plt.subplots(2, 1, figsize=(9, 7), sharex=True, height_ratios=[2, 1])
+    styles = ["--", ":", "-.", (0, (5, 1, 1, 1))]
     for model, recs in models.items():
         versions = [int(r["version"]) for r in recs]
-        line = ax_r.plot(versions, [float(r["reward_mean"]) for r in recs], label=model, linewidth=1.8)[0]
+        rewards = [float(r["reward_mean"]) for r in recs]
+        window = smoothing_window(len(recs))
+        line = ax_r.plot(versions, rewards, linewidth=0.8, alpha=0.35)[0]
+        ax_r.plot(versions, rolling_mean(rewards, window), color=line.get_color(), linewidth=2.0,
+                  label=model if window == 1 else f"{model} (mean of {window} steps)")
         agents = sorted({a for r in recs for a in (r.get("agent_reward") or {})})
-        for agent in agents:
+        for i, agent in enumerate(agents):
             pts = [(int(r["version"]), float(r["agent_reward"][agent])) for r in recs
                    if agent in (r.get("agent_reward") or {})]
-            ax_r.plot([p[0] for p in pts], [p[1] for p in pts], linestyle="--", linewidth=1.0,
-                      color=line.get_color(), alpha=0.7, label=f"{model}/{agent}")
+            ax_r.plot([p[0] for p in pts], rolling_mean([p[1] for p in pts], window), linestyle=styles[i % len(styles)],
+                      linewidth=1.2, color=line.get_color(), alpha=0.8, label=f"{model}/{agent}")
         ax_s.plot(versions, [float(r.get("staleness_mean", 0.0)) for r in recs], label=model,
                   color=line.get_color())
     ax_r.set_ylabel("reward (mean per step)")
@@ -119,12 +138,17 @@ def plot_run(metrics_path: str | os.PathLike[str], out_path: str | os.PathLike[s
     bottom = ax_s
     if evals:
         versions = [int(e["version"]) for e in evals]
-        for agent in sorted({a for e in evals for a in (e.get("pass1") or {})}):
-            pts = [(int(e["version"]), float(e["pass1"][agent])) for e in evals if agent in (e.get("pass1") or {})]
-            ax_e.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", linestyle="--", label=f"agent {agent}")
         if all("final" in e for e in evals):
-            ax_e.plot(versions, [float(e["final"]) for e in evals], marker="s", linewidth=2.0, color="black",
-                      label="final answer")
+            finals = [float(e["final"]) for e in evals]
+            ax_e.plot(versions, finals, marker="s", markersize=8, linewidth=4.0, color="black", alpha=0.3,
+                      label="final answer", zorder=1)
+            for v, f in ((versions[0], finals[0]), (versions[-1], finals[-1])):
+                ax_e.annotate(f"{f:.2f}", (v, f), textcoords="offset points", xytext=(0, -15), ha="center", fontsize=8)
+        markers = ["o", "^", "v", "D", "P", "X"]
+        for i, agent in enumerate(sorted({a for e in evals for a in (e.get("pass1") or {})})):
+            pts = [(int(e["version"]), float(e["pass1"][agent])) for e in evals if agent in (e.get("pass1") or {})]
+            ax_e.plot([p[0] for p in pts], [p[1] for p in pts], marker=markers[i % len(markers)],
+                      linestyle=styles[i % len(styles)], label=f"agent {agent}", zorder=2)
         ax_e.set_ylabel("held-out pass@1")
         ax_e.set_ylim(-0.02, 1.02)
         ax_e.grid(alpha=0.3)

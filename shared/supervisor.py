@@ -244,8 +244,7 @@ async def run_up(config_path: Path, *, timeout_s: float | None = None, console: 
                 ev = decode_json(msg.data)
                 if isinstance(ev, dict) and ev.get("kind") == "eval":
                     evals.append(ev)
-                    console.print(f"held-out eval at version {ev.get('version')}: final answer pass@1 "
-                                  f"{ev.get('final', 0.0):.3f}, per agent {ev.get('pass1')}")
+                    console.print(eval_line(ev))
 
         await nc.subscribe(names.events("coordinator"), cb=on_coordinator)
         code = await _supervise(cfg, nc, kv, sup, tracker, config_file, url, stop, timeout_s, console)
@@ -348,6 +347,17 @@ def _report(run_dir: Path, console: Console) -> None:
     evals = load_evals(metrics)
     if evals:
         console.print(eval_table(evals))
+
+
+def eval_line(ev: dict[str, Any]) -> str:
+    """One evaluation as a progress line: ``held-out pass@1 at version 20: final 0.417 (solver 0.417, ...)``."""
+    pass1 = ev.get("pass1")
+    agents = ", ".join(f"{a} {v:.3f}" for a, v in pass1.items() if isinstance(v, int | float)) \
+        if isinstance(pass1, dict) else ""
+    final = ev.get("final")
+    final_text = f"{final:.3f}" if isinstance(final, int | float) else "?"
+    return f"held-out pass@1 at version {ev.get('version')}: final answer {final_text}" + (
+        f" ({agents})" if agents else "")
 
 
 def eval_table(evals: list[dict[str, Any]]) -> Table:

@@ -41,6 +41,15 @@ def leading_number(text: str) -> str:
     return match.group(0) if match else ""
 
 
+def near_miss(answer: str, expected: str) -> float:
+    """Partial credit of a wrong integer answer, ``0.5 * max(0, 1 - |got - expected| / 10)``; 0 unless both
+    are integers."""
+    if _LEADING_INT.fullmatch(answer) is None or _LEADING_INT.fullmatch(expected) is None:
+        return 0.0
+    distance = abs(int(answer) - int(expected))
+    return 0.5 * max(0.0, 1.0 - distance / NEAR_MISS_SCALE) if distance else 0.0
+
+
 def score_answer(expected: str, response: str, finished: bool = True) -> dict[str, Any]:
     """Reward of one answer on a 0-1 scale, from the integer the response starts with.
 
@@ -54,11 +63,8 @@ def score_answer(expected: str, response: str, finished: bool = True) -> dict[st
     answer = leading_number(text)
     if _LEADING_INT.fullmatch(expected) is None:
         reward = 1.0 if text == expected else 0.0
-    elif not answer:
-        reward = 0.0
     else:
-        distance = abs(int(answer) - int(expected))
-        reward = 1.0 if distance == 0 else 0.5 * max(0.0, 1.0 - distance / NEAR_MISS_SCALE)
+        reward = 1.0 if answer and int(answer) == int(expected) else near_miss(answer, expected)
     return {"reward": reward, "correct": reward == 1.0, "answer": answer, "finished": bool(finished)}
 
 
@@ -82,11 +88,15 @@ def check_answer(payload: dict[str, Any]) -> dict[str, Any]:
 
 @register("check_math")
 def check_math(payload: dict[str, Any]) -> dict[str, Any]:
-    """Payload ``{"expected", "response"}`` -> ``{"reward", "correct", "answer"}`` from the response's final answer."""
+    """Payload ``{"expected", "response"}`` -> ``{"reward", "correct", "answer"}`` from the response's final answer.
+
+    1.0 when it equals the expected answer; a wrong whole number close to a whole-number answer earns the same
+    partial credit as ``check_answer``."""
     expected, response = expected_and_response("check_math", payload)
     answer = extract_answer(response)
     correct = math_equal(answer, expected)
-    return {"reward": 1.0 if correct else 0.0, "correct": correct, "answer": answer or ""}
+    return {"reward": 1.0 if correct else near_miss(answer or "", expected.strip()), "correct": correct,
+            "answer": answer or ""}
 
 
 def code_deadline(requested: Any) -> float:

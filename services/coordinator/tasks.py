@@ -23,7 +23,7 @@ MAX_DRAWS = 10_000  # draws without a new question before a task space counts as
 @dataclass(frozen=True)
 class Task:
     task_id: str
-    question: str  # e.g. "3+4="
+    question: str  # e.g. "3+4=" or "What is 3 + 4?"
     answer: str  # e.g. "7"; for code tasks a reference solution
     tests: str | None = None  # code tasks: top-level assert statements, each one test
     kind: Literal["math", "code"] = "math"
@@ -175,7 +175,8 @@ def make_task(rng: random.Random, cfg: TaskConfig, task_id: str | None = None) -
     b = rng.randint(0, cfg.max_operand)
     op = rng.choice(cfg.ops)
     tid = f"{rng.getrandbits(48):012x}"
-    return Task(task_id=task_id or tid, question=f"{a}{op}{b}=", answer=solve(a, op, b, cfg.modulo))
+    question = f"{a}{op}{b}=" if cfg.phrasing == "compact" else f"What is {a} {op} {b}?"
+    return Task(task_id=task_id or tid, question=question, answer=solve(a, op, b, cfg.modulo))
 
 
 # --- JSONL datasets -----------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Each specialisation config (L1 prompts, L2 LoRA, L3 models, mixed) runs a few steps through `chorus up`."""
+"""Each specialisation config (L1 prompts, L2 LoRA, L3 models, mixed) and the user-workflow config run a
+few steps through `chorus up`."""
 
 from __future__ import annotations
 
@@ -35,6 +36,10 @@ def shrunk(name: str, tmp_path: Path, run_id: str) -> Path:
     base["workflow"].update({"concurrency": 4, "group_size": 4})
     base["train"].update({"max_versions": VERSIONS, "global_batch": 8, "micro_batch": 8, "checkpoint_every": 0})
     base["metrics_interval_s"] = 0.5
+    function = base["workflow"].get("function")
+    if function:  # a user workflow's file is relative to the config's own directory
+        file, name = function.rsplit(":", 1)
+        base["workflow"]["function"] = f"{(ROOT / 'configs' / file).resolve()}:{name}"
     path = tmp_path / f"{run_id}.yaml"
     path.write_text(yaml.safe_dump(base))
     return path
@@ -124,3 +129,17 @@ async def test_mixed_a_lora_agent_and_a_full_model_agent_train_side_by_side(nats
     seen = await run_config("mixed", nats_url, run_id, tmp_path)
     assert {(s.agent, s.adapter) for s in seen.trained("base_a")} == {("solver", "sol")}
     assert {(s.agent, s.adapter) for s in seen.trained("full_b")} == {("verifier", None)}
+
+
+async def test_a_workflow_from_a_users_own_file_trains_both_of_its_agents(nats_url, run_id, tmp_path):
+    # configs/custom-workflow.yaml names examples/my_workflow.py:critique, a file outside the package.
+    seen = await run_config("custom-workflow", nats_url, run_id, tmp_path)
+    solver = {(s.agent, s.turn) for s in seen.trained("solver_lm")}
+    critic = {(s.agent, s.turn) for s in seen.trained("critic_lm")}
+    assert solver <= {("solver", 0), ("solver", 2)} and ("solver", 2) in solver  # draft and revision
+    assert critic == {("critic", 1)}
+    # The reviser's prompt holds the draft and the critic's review, as the user's function built it.
+    tok = ByteTokenizer()
+    revision = next(s for s in seen.trained("solver_lm") if s.turn == 2)
+    text = tok.decode(revision.prompt_ids.tolist())
+    assert "answer: " in text and "critic: " in text, text

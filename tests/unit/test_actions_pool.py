@@ -307,12 +307,16 @@ async def test_bad_run_code_payloads_are_errors(pool: WorkerPool, payload: dict,
         ("We get \\boxed{\\frac{1}{2}}", "0.5", True, "1/2"),
         ("It is 1,000 in total", "1000", True, "1,000"),
         ("So 8", "7", False, "8"),
+        ("So 27", "7", False, "27"),
+        ("It is 1/2", "7", False, "1/2"),
         ("no idea", "7", False, ""),
     ],
 )
 def test_check_math_uses_the_final_answer(response: str, expected: str, correct: bool, answer: str):
     out = check_math({"expected": expected, "response": response})
-    assert out == {"reward": 1.0 if correct else 0.0, "correct": correct, "answer": answer}
+    # A near miss (8 for 7) earns check_answer's partial credit 0.5 * (1 - 1/10); 20 away earns none.
+    reward = 1.0 if correct else 0.45 if answer == "8" else 0.0
+    assert out == {"reward": pytest.approx(reward), "correct": correct, "answer": answer}
 
 
 async def test_check_math_runs_in_the_pool_and_rejects_bad_fields(pool: WorkerPool):

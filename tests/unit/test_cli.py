@@ -17,7 +17,7 @@ from shared.cli import app
 from shared.config import load_config
 from shared.plotting import summarize
 from shared.progress import RunTracker
-from shared.supervisor import ChildSpec, Supervisor, plan_services, resolve_run, unique_run_id
+from shared.supervisor import ChildSpec, Supervisor, eval_line, plan_services, resolve_run, unique_run_id
 
 CHORUS = str(Path(sys.executable).parent / "chorus")
 CONFIG = "run: {{id: {run}, dir: {dir}}}\nmodels: {{a: {{rollouter: {{instances: 2}}}}, b: {{}}}}\n" \
@@ -96,6 +96,12 @@ def test_eval_records_are_plotted_and_summarised_but_not_counted_as_steps(tmp_pa
     assert "0.250 │ 0.750 │ +0.500" in r.output  # solver
     assert "0.200 │ 0.700 │ +0.500" in r.output  # final answer
     assert (tmp_path / "reward.png").stat().st_size > 0
+
+
+def test_an_eval_event_prints_as_one_line_of_rounded_figures() -> None:
+    ev = {"kind": "eval", "version": 20, "final": 5 / 12, "pass1": {"solver": 5 / 12, "verifier": 0.5}}
+    assert eval_line(ev) == "held-out pass@1 at version 20: final answer 0.417 (solver 0.417, verifier 0.500)"
+    assert eval_line({"version": 3, "pass1": "junk"}) == "held-out pass@1 at version 3: final answer ?"
 
 
 def test_plot_of_a_directory_without_metrics_fails(tmp_path: Path) -> None:

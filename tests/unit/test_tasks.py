@@ -46,6 +46,14 @@ def test_question_parses_back_to_the_answer(seed: int, max_operand: int, op: str
         assert task.answer == str(exact)
 
 
+def test_question_phrasing_asks_the_same_sum_in_words():
+    compact = make_task(random.Random(5), TaskConfig(max_operand=20, ops=["-"], modulo=None))
+    asked = make_task(random.Random(5), TaskConfig(max_operand=20, ops=["-"], modulo=None, phrasing="question"))
+    a, b = compact.question[:-1].split("-")
+    assert asked.question == f"What is {a} - {b}?"
+    assert (asked.answer, asked.task_id) == (compact.answer, compact.task_id)
+
+
 @pytest.mark.parametrize(
     ("a", "op", "b", "modulo", "answer"),
     [(3, "+", 4, 10, "7"), (9, "+", 8, 10, "7"), (2, "-", 5, 10, "7"), (2, "-", 5, None, "-3"), (4, "*", 4, None, "16")],

@@ -10,7 +10,7 @@ import yaml
 from services.actions.actions import check_answer
 from services.coordinator.tasks import Task
 from services.coordinator.workflows import GenResult, printable, solve_verify, verifier_prompt
-from shared.config import ChorusConfig
+from shared.config import ChorusConfig, TaskConfig
 from shared.tokenizer import EOS_ID, ByteTokenizer
 
 TOK = ByteTokenizer()
@@ -144,6 +144,10 @@ def test_language_model_verifiers_read_the_question_and_the_proposed_answer():
     from services.coordinator.workflows.solve_verify import verifier_text
 
     task = Task("t-9", "Ann has 3 pens and buys 4 more. How many pens does she have now?", "7")
-    assert verifier_text("word", task, " 7 pens\n", None) == f"{task.question}\nProposed answer: 7 pens"
-    assert verifier_text("word", task, "12345", 2).endswith("Proposed answer: 12")
-    assert verifier_text("arithmetic", Task("t-8", "3+4=", "7"), "7", None) == "3+4=7|"
+    word = TaskConfig(name="word")
+    assert verifier_text(word, task, " 7 pens\n", None) == f"{task.question}\nProposed answer: 7 pens"
+    assert verifier_text(word, task, "12345", 2).endswith("Proposed answer: 12")
+    assert verifier_text(TaskConfig(), Task("t-8", "3+4=", "7"), "7", None) == "3+4=7|"
+    asked = TaskConfig(phrasing="question")
+    assert verifier_text(asked, Task("t-9", "What is 3 + 4?", "7"), "It is 7", None) == (
+        "What is 3 + 4?\nProposed answer: It is 7")

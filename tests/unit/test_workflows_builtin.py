@@ -277,7 +277,7 @@ async def test_solver_coder_refiner_on_a_math_task_scores_the_coder_by_what_its_
     cfg = config({"name": "solver_coder_refiner", "agents": ["s", "c", "r"]}, {"s": "m1", "c": "m1", "r": "m1"},
                  group_size=2, task="word")
     task = Task("t-w", "Tom has 3 apples and buys 4 more. How many apples does Tom have now?", "7")
-    policy = Script({"s": lambda u: "I think 6", "c": lambda u: "print(3 + 4)",
+    policy = Script({"s": lambda u: "I think 60", "c": lambda u: "print(3 + 4)",
                      "r": lambda u: "The answer is 7" if "result: 7" in u else "6"})
     acts = Actions()
     ep = await play(cfg, policy, acts, task)

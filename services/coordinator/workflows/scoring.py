@@ -1,7 +1,7 @@
 """Per-turn rewards of the built-in workflows: the task's check (an action), or an LLM judge; the vote.
 
-The check depends on the task: arithmetic answers go to ``check_answer``, math answers to ``check_math``,
-code (a task with ``tests``) to ``run_code``. With ``reward.judge`` set, that agent scores every turn instead.
+The check depends on the task: compact arithmetic (``3+4=``) goes to ``check_answer``, other answers to
+``check_math``, code (a task with ``tests``) to ``run_code``. With ``reward.judge`` set, that agent scores every turn instead.
 """
 
 from __future__ import annotations
@@ -14,13 +14,19 @@ from typing import TYPE_CHECKING, Any
 
 from services.coordinator.rewards import extract_answer, judge_prompt, math_equal, parse_judge
 from services.coordinator.workflows.api import Context, Turn
+from shared.config import TaskConfig
 
 if TYPE_CHECKING:
     from services.coordinator.tasks import Task
 
-ANSWER_CHECKS = {"arithmetic": "check_answer"}  # other task kinds: check_math
 RUN_ONLY = "assert True\n"  # an answer task's program runs for what it prints; run_code needs one assert
 _FENCE = re.compile(r"```[ \t]*(?:python|py)?[ \t]*\n(.*?)(?:```|$)", re.DOTALL | re.IGNORECASE)
+
+
+def answer_check(task: TaskConfig) -> str:
+    """The action that scores an answer: the leading number of a compact arithmetic completion
+    (``check_answer``), else the response's final answer (``check_math``)."""
+    return "check_answer" if task.name == "arithmetic" and task.phrasing == "compact" else "check_math"
 
 
 @dataclass
@@ -97,7 +103,7 @@ async def check(ctx: Context, task: Task, texts: Sequence[str], finished: Sequen
     if is_code_task(task):
         results = await run_code(ctx, task, texts)
     else:
-        kind = ANSWER_CHECKS.get(ctx.cfg.task.name, "check_math")
+        kind = answer_check(ctx.cfg.task)
         results = await ctx.act(kind, [{"expected": task.answer, "response": t, "finished": bool(f)}
                                        for t, f in zip(texts, finished, strict=True)])
     return [score_of(r, t) for r, t in zip(results, texts, strict=True)]

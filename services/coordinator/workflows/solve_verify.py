@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 from services.coordinator.workflows.api import Context, Generate, GenResult, Tokenizers, Trajectory, Turn
 from services.coordinator.workflows.episode import Episode, run_episode
-from services.coordinator.workflows.scoring import ANSWER_CHECKS
-from shared.config import ChorusConfig
+from services.coordinator.workflows.scoring import answer_check
+from shared.config import ChorusConfig, TaskConfig
 from shared.models import Tokenizer
 
 if TYPE_CHECKING:
@@ -34,10 +34,10 @@ def verifier_prompt(prefix: str, question: str, solver_text: str) -> str:
     return prefix + question + printable(solver_text[:SOLVER_ECHO_CHARS]) + "|"
 
 
-def verifier_text(task_name: str, task: Task, solver_text: str, echo_chars: int | None) -> str:
-    """The verifier's user message: the compact ``3+4=7|`` on ``arithmetic`` (the tiny byte models' task);
+def verifier_text(task_cfg: TaskConfig, task: Task, solver_text: str, echo_chars: int | None) -> str:
+    """The verifier's user message: ``3+4=7|`` on compact arithmetic (the tiny byte models' task);
     otherwise the question and the solver's proposed answer (cut to ``workflow.echo_chars`` if set)."""
-    if task_name == "arithmetic":
+    if answer_check(task_cfg) == "check_answer":
         return verifier_prompt("", task.question, solver_text)
     shown = solver_text if echo_chars is None else solver_text[:echo_chars]
     return f"{task.question}\nProposed answer: {shown.strip()}"
@@ -68,12 +68,12 @@ async def solve_verify_workflow(ctx: Context, task: Task) -> Trajectory:
 
     async def verify() -> tuple[str, GenResult, dict[str, Any]]:
         # The verifier's system prompt comes first, as `chat(prompt, text)` puts it.
-        text = verifier_text(ctx.cfg.task.name, task, s_row.text, ctx.cfg.workflow.echo_chars)
+        text = verifier_text(ctx.cfg.task, task, s_row.text, ctx.cfg.workflow.echo_chars)
         (v_row,) = await ctx.generate(verifier, [text])
         (v_check,) = await ctx.act(check_kind, [_payload(task, v_row)])
         return text, v_row, v_check
 
-    check_kind = ANSWER_CHECKS.get(ctx.cfg.task.name, "check_math")
+    check_kind = answer_check(ctx.cfg.task)
     (s_check,), (v_text, v_row, v_check) = await asyncio.gather(
         ctx.act(check_kind, [_payload(task, s_row)]), verify()
     )
@@ -95,8 +95,8 @@ async def solve_verify(
     """Run one task: G solver rollouts in one request, G verifier rollouts in one request, checked."""
 
     async def act(kind: str, payloads: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        if kind != "check_answer":
-            raise ValueError(f"solve_verify runs only check_answer, not {kind!r}")
+        if kind != answer_check(cfg.task):
+            raise ValueError(f"solve_verify on this task runs only {answer_check(cfg.task)}, not {kind!r}")
         return await check(payloads)
 
     return await run_episode(cfg, task, env_idx, solve_verify_workflow, generate, act, versions, tokenizers)
