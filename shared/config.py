@@ -140,6 +140,10 @@ class WorkflowConfig(Section):
     max_new_tokens: int = Field(default=4, ge=1)
     temperature: float = Field(default=1.0, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    # parallel: group_size independent rollouts per task. tree: one rollout per task; every agent step
+    # samples group_size candidates, scores them with the task's check, and the episode goes on from the
+    # best (AT-GRPO's tree-structured sampling); the candidates of a step form its group.
+    sampling: Literal["parallel", "tree"] = "parallel"
 
     @model_validator(mode="after")
     def _shape(self) -> WorkflowConfig:
@@ -225,11 +229,28 @@ class TrainConfig(Section):
     max_versions: int = Field(default=50, ge=1)
     global_batch: int = Field(default=64, ge=1)  # samples per optimizer step
     micro_batch: int = Field(default=32, ge=1)  # samples per micro-batch from mq (whole groups)
+    # sync: generate a whole global batch, then train on it (the barrier baseline). microbatch: FlexMARL's
+    # pipeline, training starts on micro-batches while the rest of the batch generates, one step per global
+    # batch, the next batch waits for the new weights (max_staleness 0). async: rollouts never wait,
+    # samples older than max_staleness are dropped and counted.
+    mode: Literal["sync", "microbatch", "async"] = "async"
     max_staleness: int = Field(default=2, ge=0)
+    # AT-GRPO advantages. episode: the coordinator computes them over each whole (env, agent, turn) group
+    # once all rollouts of a task are done, and mq dispatches whole groups. trainer: the trainer groups the
+    # samples of each micro-batch it receives by (env, agent, turn); mq does not wait for whole groups.
+    grouping: Literal["episode", "trainer"] = "episode"
     clip_eps: float = 0.2
     checkpoint_every: int = Field(default=25, ge=0)  # versions; 0 = never
     threads: int = Field(default=1, ge=1)
     ack_wait_s: float = 60.0
+
+    @model_validator(mode="after")
+    def _on_policy_modes(self) -> TrainConfig:
+        if self.mode in ("sync", "microbatch") and self.max_staleness != 0:
+            raise ValueError(f"max_staleness: train.mode {self.mode!r} trains every sample on the weights that "
+                             f"generated it, so max_staleness must be 0 (got {self.max_staleness}); "
+                             "use mode 'async' for stale samples")
+        return self
 
 
 class MqConfig(Section):

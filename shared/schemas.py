@@ -133,6 +133,7 @@ class Sample(Message):
     reward: float
     group_key: str  # AT-GRPO group: (env, agent, turn)
     group_size: int = Field(gt=0)
+    advantage: float | None = None  # set by the coordinator under train.grouping "episode"; else the trainer's
     version: int  # acting model's weight version at generation
     versions: dict[str, int] = Field(default_factory=dict)  # snapshot of every model's version
     timings: dict[str, float] = Field(default_factory=dict)
