@@ -13,7 +13,7 @@ from typing import Any
 import nats.errors
 from nats.aio.msg import Msg
 
-from services.coordinator.admission import Admission
+from services.coordinator.admission import Admission, BatchGate, expected_samples
 from services.coordinator.evaluation import evaluate
 from services.coordinator.tasks import TaskSource, heldout_tasks
 from services.coordinator.workflows import Abandon, Episode, GenResult, Tokenizers, run_episode, workflow_of
@@ -30,6 +30,14 @@ POLL_S = 0.05  # backpressure / budget re-check period
 VERSION_POLL_S = 0.2
 DRAIN_S = 20.0
 EMA = 0.05
+
+
+def per_model(ep: Episode) -> dict[str, int]:
+    """Samples of an episode per model."""
+    out: dict[str, int] = {}
+    for s in ep.samples:
+        out[s.model] = out.get(s.model, 0) + 1
+    return out
 
 
 class RetryableError(Exception):
@@ -56,6 +64,12 @@ class CoordinatorService(Service):
             await self.tokenizers.get(m)
         self.admission = Admission(self.models, cfg.train.max_versions,
                                    stale_after_s=max(5.0, 10 * cfg.mq.report_interval_s))
+        # sync / microbatch: one global batch of tasks per version; async: only backpressure.
+        self.gate: BatchGate | None = None
+        if cfg.train.mode != "async":
+            agent_models = {a: cfg.agents[a].model for a in wf.agents}
+            self.gate = BatchGate(self.models, cfg.train.global_batch,
+                                  expected_samples(agent_models, wf.group_size, self.models))
         self.served: dict[str, int] = {}
         await self._poll_versions()
         # Same seed, same questions; the time-based prefix keeps ids unique across coordinator restarts
@@ -105,6 +119,7 @@ class CoordinatorService(Service):
             "trained_versions": dict(self.admission.trained),
             "backpressured": self.admission.blocked_by(now),
             "admitting": not self.admission.budget_spent and not self.stopping,
+            "batches_opened": self.gate.batches if self.gate else None,
         }
 
     # --- versions and backpressure ------------------------------------------------------
@@ -142,13 +157,25 @@ class CoordinatorService(Service):
             if self.admission.budget_spent:
                 await asyncio.sleep(VERSION_POLL_S)  # idle until SIGTERM (or a restored budget)
                 continue
-            if not self.admission.blocked_by(time.monotonic()):
+            if self._admit():
                 return True
             if not waited:
                 waited = True
                 self.counters["backpressure_waits"] += 1
             await asyncio.sleep(POLL_S)
         return False
+
+    def _admit(self) -> bool:
+        """Start one task now? Counts it in the open batch when it may (no await between check and count)."""
+        if self.admission.saturated(time.monotonic()):
+            return False
+        if self.gate is None:
+            return True
+        done = {m for m in self.models if self.admission.trained.get(m, 0) >= self.cfg.train.max_versions}
+        if not self.gate.may_start(self.served, done):
+            return False
+        self.gate.started()
+        return True
 
     # --- held-out evaluation --------------------------------------------------------------
     async def _evaluate(self, final: bool) -> None:
@@ -183,6 +210,7 @@ class CoordinatorService(Service):
             env_idx, task = self.tasks.next()
             self.counters["tasks_started"] += 1
             self.in_flight += 1
+            ep: Episode | None = None
             try:
                 ep = await run_episode(self.cfg, task, env_idx, self.workflow, self._generate, self._act,
                                        lambda: dict(self.served), self.tokenizers)
@@ -192,6 +220,8 @@ class CoordinatorService(Service):
                 continue
             finally:
                 self.in_flight -= 1
+                if self.gate is not None:
+                    self.gate.finished(None if ep is None else per_model(ep))
             # Once started, a task's samples are published whole even if a drain cancels this loop.
             pub = asyncio.create_task(self._publish(ep))
             self._publishing.add(pub)

@@ -175,21 +175,34 @@ async def test_samples_of_both_agents_reach_their_models_streams(cluster: dict):
     assert set(snap["reward_ema"]) == {"solver", "verifier"} and 0.0 <= snap["final_correct_ema"] <= 1.0
 
 
-async def test_full_mq_stops_new_tasks_until_the_backlog_drains(cluster: dict):
+async def test_full_mqs_stop_new_tasks_until_a_backlog_drains(cluster: dict):
     names, nc, coord = cluster["names"], cluster["nc"], cluster["coord"]
     await drain(cluster["subs"]["solver_lm"], 2 * G)
-    full = encode_json(DepthReport(model="verifier_lm", depth=64, capacity=64, trained_version=0))
     stop_reporting = asyncio.Event()
+    full = {m: encode_json(DepthReport(model=m, depth=64, capacity=64, trained_version=0))
+            for m in ("solver_lm", "verifier_lm")}
+    reporting = {"verifier_lm"}
 
-    async def report(data: bytes) -> None:
+    async def report() -> None:
         while not stop_reporting.is_set():
-            await nc.publish(names.depth("verifier_lm"), data)
+            for m in sorted(reporting):
+                await nc.publish(names.depth(m), full[m])
             await asyncio.sleep(0.1)
 
-    reporter = asyncio.create_task(report(full))
+    reporter = asyncio.create_task(report())
     try:
+        # One model full (a slow trainer): its mq sheds, the other model's training is not held back.
         await asyncio.sleep(0.3)
-        # Tasks already in flight finish; then nothing new starts.
+        started = coord.counters["tasks_started"]
+        for _ in range(100):
+            if coord.counters["tasks_started"] > started:
+                break
+            await asyncio.sleep(0.05)
+        assert coord.counters["tasks_started"] > started
+        assert coord.metrics_snapshot()["backpressured"] == ["verifier_lm"]
+        # Every model full: tasks already in flight finish, then nothing new starts.
+        reporting.add("solver_lm")
+        await asyncio.sleep(0.3)
         for _ in range(200):
             if coord.in_flight == 0:
                 break
@@ -198,7 +211,7 @@ async def test_full_mq_stops_new_tasks_until_the_backlog_drains(cluster: dict):
         await asyncio.sleep(1.5)
         assert coord.counters["tasks_started"] == started
         assert coord.counters["backpressure_waits"] >= 1
-        assert coord.metrics_snapshot()["backpressured"] == ["verifier_lm"]
+        assert coord.metrics_snapshot()["backpressured"] == ["solver_lm", "verifier_lm"]
     finally:
         stop_reporting.set()
         await reporter
