@@ -7,9 +7,12 @@ Hilton et al. 2022), epsilon the clip range.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Sequence
 
 import torch
+
+from shared.advantages import group_advantages as shared_group_advantages
 
 # exp() of a log-ratio above this overflows float32 long before it means anything.
 _MAX_LOG_RATIO = 20.0
@@ -17,21 +20,31 @@ _MAX_LOG_RATIO = 20.0
 
 def group_advantages(rewards: torch.Tensor | Sequence[float], group_ids: Sequence[Hashable],
                      eps: float = 1e-6) -> torch.Tensor:
-    """A_i = (r_i - mean_g(r)) / (std_g(r) + eps), population std per group; singleton/constant groups get 0."""
-    r = torch.as_tensor(rewards, dtype=torch.float32).reshape(-1)
-    if len(group_ids) != r.numel():
-        raise ValueError(f"{r.numel()} rewards but {len(group_ids)} group ids")
-    index: dict[Hashable, int] = {}
-    g = torch.tensor([index.setdefault(k, len(index)) for k in group_ids], dtype=torch.long)
-    n_groups = len(index)
-    count = torch.zeros(n_groups).index_add_(0, g, torch.ones_like(r))
-    mean = torch.zeros(n_groups).index_add_(0, g, r) / count.clamp(min=1)
-    var = torch.zeros(n_groups).index_add_(0, g, (r - mean[g]) ** 2) / count.clamp(min=1)
-    std = var.sqrt()
-    adv = (r - mean[g]) / (std[g] + eps)
-    # A group of one, or one where every reward is equal, carries no learning signal.
-    degenerate = (count[g] < 2) | (std[g] == 0)
-    return torch.where(degenerate, torch.zeros_like(adv), adv)
+    """A_i = (r_i - mean_g(r)) / (std_g(r) + eps), population std per group; singleton/constant groups get 0.
+
+    The formula lives in :mod:`shared.advantages`, shared with the coordinator's episode-complete grouping.
+    """
+    r = rewards.detach().cpu() if isinstance(rewards, torch.Tensor) else rewards
+    return torch.from_numpy(shared_group_advantages(r, group_ids, eps)).to(torch.float32)
+
+
+def micro_batch_advantages(rewards: Sequence[float], group_ids: Sequence[Hashable],
+                           given: Sequence[float | None]) -> torch.Tensor:
+    """A_i per sample: ``given[i]`` where the coordinator set it (grouping "episode"), else GRPO over the groups
+    of the samples without one, within this micro-batch (grouping "trainer")."""
+    if not len(rewards) == len(group_ids) == len(given):
+        raise ValueError(f"{len(rewards)} rewards, {len(group_ids)} group ids and {len(given)} advantages: "
+                         "expected one of each per sample")
+    adv = torch.zeros(len(rewards), dtype=torch.float32)
+    todo = [i for i, a in enumerate(given) if a is None]
+    if todo:
+        adv[todo] = group_advantages([rewards[i] for i in todo], [group_ids[i] for i in todo])
+    for i, a in enumerate(given):
+        if a is not None:
+            if not math.isfinite(a):
+                raise ValueError(f"sample {i}: advantage must be a finite number, got {a!r}")
+            adv[i] = a
+    return adv
 
 
 def ppo_clip_loss(logp_new: torch.Tensor, logp_behav: torch.Tensor, advantages: torch.Tensor,

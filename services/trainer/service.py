@@ -20,7 +20,7 @@ import nats.errors
 from nats.aio.msg import Msg
 from nats.js.errors import NotFoundError
 
-from services.trainer.grpo import group_advantages
+from services.trainer.grpo import micro_batch_advantages
 from services.trainer.intake import SeenIds, StepBook, filter_samples
 from services.trainer.learner import Learner
 from shared.bus import fetch, kv_put_int_max, pull_consumer
@@ -192,8 +192,10 @@ class TrainerService(Service):
         return keep
 
     def _accumulate(self, samples: Sequence[Sample], keep_idx: list[int]) -> float:
-        """Worker thread: GRPO advantages over the whole micro-batch's groups, then forward/backward of the kept rows."""
-        adv = group_advantages([s.reward for s in samples], [s.group_key for s in samples])
+        """Worker thread: each sample's advantage (the coordinator's, else GRPO over the micro-batch's groups of the
+        samples without one), then forward/backward of the kept rows."""
+        adv = micro_batch_advantages([s.reward for s in samples], [s.group_key for s in samples],
+                                     [s.advantage for s in samples])
         return self.learner.accumulate([samples[i] for i in keep_idx], [float(adv[i]) for i in keep_idx])
 
     async def _reject(self, msg: Msg, reason: str) -> None:

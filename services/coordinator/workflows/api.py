@@ -4,6 +4,10 @@ A workflow is ``async def workflow(ctx: Context, task: Task) -> Trajectory`` and
 the coordinator runs ``group_size`` of them at once. Calls that the concurrent rollouts make while all of
 them are waiting are merged into one request per (model, adapter, sampling) or action kind, so a turn of G
 rollouts costs one generation request, as a hand-batched workflow would.
+
+With ``workflow.sampling: tree`` the coordinator plays the workflow once per task instead, and every
+``ctx.generate`` samples G candidates per prompt, scores them with the task's check and continues from the best
+(AT-GRPO's tree-structured sampling); the candidates of each step are kept as that step's group.
 """
 
 from __future__ import annotations
@@ -56,6 +60,24 @@ class Generate(Protocol):
 
 
 Act = Callable[[str, list[dict[str, Any]]], Awaitable[list[dict[str, Any]]]]
+# Scores candidate answers of a tree step (texts, finished flags) with the task's check; one reward each.
+StepScorer = Callable[["Context", "Task", list[str], list[bool]], Awaitable[list[float]]]
+
+
+@dataclass
+class TreeStep:
+    """One agent step of tree sampling: the G candidates of one prompt, their step rewards, the one kept."""
+
+    candidates: list[GenResult]
+    rewards: list[float]
+    best: int
+
+
+def best_of(rewards: Sequence[float]) -> int:
+    """The index of the highest reward; ties go to the lowest index."""
+    if not rewards:
+        raise ValueError("best_of over no candidates")
+    return max(range(len(rewards)), key=lambda i: (rewards[i], -i))
 
 
 class Turn(TypedDict):
@@ -222,16 +244,19 @@ class Batcher:
 
 
 class Runtime:
-    """What the G rollouts of one task share: the agents, the bus callables, tokenizers and the batcher."""
+    """What the G rollouts of one task share: the agents, the bus callables, tokenizers and the batcher.
+
+    With ``tree`` set the task is played as one tree-sampled rollout whose steps ``tree`` scores."""
 
     def __init__(self, cfg: ChorusConfig, task: Task, generate: Generate, act: Act, tokenizers: Tokenizers,
-                 window_s: float = BATCH_WINDOW_S) -> None:
+                 window_s: float = BATCH_WINDOW_S, tree: StepScorer | None = None) -> None:
         self.cfg = cfg
         self.task = task
         self._generate = generate
         self._act = act
         self.tokenizers = tokenizers
-        self.batcher = Batcher(cfg.workflow.group_size, window_s)
+        self.tree = tree
+        self.batcher = Batcher(1 if tree is not None else cfg.workflow.group_size, window_s)
 
     def agent(self, name: str) -> AgentConfig:
         a = self.cfg.agents.get(name)
@@ -270,12 +295,16 @@ class Runtime:
 
 
 class Context:
-    """One rollout's handle on the run: generate with an agent, run an action, read the config."""
+    """One rollout's handle on the run: generate with an agent, run an action, read the config.
 
-    def __init__(self, runtime: Runtime, rollout: int) -> None:
+    ``tree=False`` makes a plain context even when the runtime tree-samples (the one tree scoring runs on)."""
+
+    def __init__(self, runtime: Runtime, rollout: int, tree: bool = True) -> None:
         self._rt = runtime
         self.rollout = rollout
         self.generations: list[GenResult] = []  # in call order; turns point at them by gen_id
+        self.tree_steps: dict[int, TreeStep] = {}  # tree sampling: gen_id of a kept row -> its step
+        self._tree = tree and runtime.tree is not None
 
     @property
     def cfg(self) -> ChorusConfig:
@@ -311,20 +340,46 @@ class Context:
         if stop:
             sampling["stop"] = list(stop)
         key = ("generate", a.model, a.adapter, *(tuple(v) if isinstance(v, list) else v for v in sampling.values()))
-        items = [(a.prompt, p) for p in prompts]
+        # The judge scores and is not trained: its calls are never tree-sampled.
+        n = self.group_size if self._tree and agent != self.cfg.reward.judge else 1
+        items = [(a.prompt, p) for p in prompts for _ in range(n)]
         rows = await self._rt.batcher.call(self.rollout, key, items, self._rt.gen_runner(a.model, a.adapter, sampling))
-        out = []
-        for row in rows:
-            # Rows are shared by no one else, but copy so a workflow may keep and edit its own.
-            mine = GenResult(ids=list(row.ids), logprobs=list(row.logprobs), finished=row.finished,
-                             version=row.version, seconds=row.seconds, text=row.text,
-                             prompt_ids=list(row.prompt_ids), agent=agent, gen_id=len(self.generations))
-            self.generations.append(mine)
-            out.append(mine)
-        return out
+        rows = [_copy(row, agent) for row in rows]  # a workflow may keep and edit its own
+        if n == 1:
+            return [self._keep(row) for row in rows]
+        return await self._best_of_each(rows, n)
 
     async def act(self, kind: str, payloads: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Run the action ``kind`` (``check_answer``, ``run_code``, ...) on each payload; one result each."""
         if not payloads:
             return []
         return await self._rt.batcher.call(self.rollout, ("act", kind), payloads, self._rt.act_runner(kind))
+
+    def _keep(self, row: GenResult) -> GenResult:
+        row.gen_id = len(self.generations)
+        self.generations.append(row)
+        return row
+
+    async def _best_of_each(self, rows: list[GenResult], n: int) -> list[GenResult]:
+        """Tree step: score the ``n`` candidates of each prompt (``rows`` prompt-major), keep each prompt's best
+        as the row the workflow goes on from, and remember all of them as the step's group."""
+        assert self._rt.tree is not None
+        # Scoring runs on a plain context of the same rollout: a judge it asks is not tree-sampled, and its
+        # rows are not this rollout's generations.
+        scorer = Context(self._rt, self.rollout, tree=False)
+        rewards = await self._rt.tree(scorer, self.task, [r.text for r in rows], [r.finished for r in rows])
+        if len(rewards) != len(rows):
+            raise WorkflowError(f"tree step scoring returned {len(rewards)} rewards for {len(rows)} candidates")
+        out = []
+        for start in range(0, len(rows), n):
+            candidates, scores = rows[start:start + n], [float(x) for x in rewards[start:start + n]]
+            best = best_of(scores)
+            kept = self._keep(_copy(candidates[best], candidates[best].agent))
+            self.tree_steps[kept.gen_id] = TreeStep(candidates, scores, best)
+            out.append(kept)
+        return out
+
+
+def _copy(row: GenResult, agent: str) -> GenResult:
+    return GenResult(ids=list(row.ids), logprobs=list(row.logprobs), finished=row.finished, version=row.version,
+                     seconds=row.seconds, text=row.text, prompt_ids=list(row.prompt_ids), agent=agent)

@@ -3,6 +3,10 @@
 Every turn that names one of its rollout's generations becomes a Sample of its agent's model: id
 ``{task_id}_{turn}_{rollout}``, AT-GRPO group ``{task_id}:{agent}:{turn}`` (env, agent, turn), so a group is
 the G rollouts of one agent at one turn. A group that not every rollout reached is dropped and counted.
+
+Tree sampling (``workflow.sampling: tree``) plays the workflow once; a turn's group is then the G candidates of
+its step, id ``{task_id}_{turn}_{candidate}``, each rewarded by the step's check. Under ``train.grouping:
+episode`` every Sample leaves with its group's GRPO advantage.
 """
 
 from __future__ import annotations
@@ -23,10 +27,13 @@ from services.coordinator.workflows.api import (
     GenResult,
     Runtime,
     Tokenizers,
+    TreeStep,
     Turn,
     Workflow,
     WorkflowError,
 )
+from services.coordinator.workflows.scoring import check
+from shared.advantages import group_advantages
 from shared.config import ChorusConfig
 from shared.models import Tokenizer
 from shared.schemas import Array, Sample
@@ -62,13 +69,15 @@ async def run_episode(
     versions: Callable[[], dict[str, int]],
     tokenizers: Tokenizers | Mapping[str, Tokenizer] | None = None,
 ) -> Episode:
-    """Play ``group_size`` rollouts of ``workflow`` on ``task`` concurrently; raise WorkflowError / Abandon if
-    any fails (the task is then dropped whole: groups are never partial)."""
+    """Play ``group_size`` rollouts of ``workflow`` on ``task`` concurrently (or one tree-sampled rollout); raise
+    WorkflowError / Abandon if any fails (the task is then dropped whole: groups are never partial)."""
     if not isinstance(tokenizers, Tokenizers):
         tokenizers = Tokenizers(cfg, tokenizers)
     G = cfg.workflow.group_size
-    runtime = Runtime(cfg, task, generate, act, tokenizers)
-    ctxs = [Context(runtime, i) for i in range(G)]
+    # With one candidate per step (evaluation plays G = 1) a tree is a single rollout: play it as one.
+    tree = cfg.workflow.sampling == "tree" and G > 1
+    runtime = Runtime(cfg, task, generate, act, tokenizers, tree=step_rewards if tree else None)
+    ctxs = [Context(runtime, i) for i in range(1 if tree else G)]
     t0 = time.monotonic()
 
     async def rollout(ctx: Context) -> Any:
@@ -94,7 +103,25 @@ async def run_episode(
         await runtime.batcher.close()
     seconds = time.monotonic() - t0
     trajectories = [checked(r, i, name_of(workflow)) for i, r in enumerate(results)]
-    return to_episode(cfg, task, env_idx, trajectories, ctxs, dict(versions()), seconds)
+    if tree:
+        ep = tree_episode(cfg, task, env_idx, trajectories[0], ctxs[0], dict(versions()), seconds)
+    else:
+        ep = to_episode(cfg, task, env_idx, trajectories, ctxs, dict(versions()), seconds)
+    if cfg.train.grouping == "episode":
+        with_advantages(ep.samples)
+    return ep
+
+
+async def step_rewards(ctx: Context, task: Task, texts: list[str], finished: list[bool]) -> list[float]:
+    """Tree sampling's score of each candidate of a step: the task's check (or the judge), in [0, 1]."""
+    return [s.reward for s in await check(ctx, task, texts, finished)]
+
+
+def with_advantages(samples: list[Sample]) -> None:
+    """Episode-complete dispatch: set every sample's GRPO advantage within its (env, agent, turn) group."""
+    adv = group_advantages([s.reward for s in samples], [s.group_key for s in samples])
+    for s, a in zip(samples, adv, strict=True):
+        s.advantage = float(a)
 
 
 def name_of(workflow: Workflow) -> str:
@@ -167,6 +194,40 @@ def turn_rewards(cfg: ChorusConfig, trajectory: dict[str, Any]) -> dict[int, flo
     return out
 
 
+def known_agent(cfg: ChorusConfig, turn: Turn) -> str:
+    agent = turn["agent_name"]
+    if agent not in cfg.agents:
+        raise WorkflowError(f"trajectory turn {turn['turn_id']} names unknown agent {agent!r}: expected one of "
+                            f"{sorted(cfg.agents)}")
+    return agent
+
+
+def make_sample(cfg: ChorusConfig, task: Task, env_idx: int, agent: str, turn: int, index: int, rollout: int,
+                row: GenResult, reward: float, snapshot: dict[str, int], seconds: float) -> Sample:
+    """The Sample of ``row``: member ``index`` (rollout or tree candidate) of group (task, agent, turn)."""
+    a = cfg.agents[agent]
+    return Sample(
+        run=cfg.run.id,
+        episode=f"{task.task_id}/{rollout}",
+        sample_id=Sample.make_id(task.task_id, turn, index),
+        env_idx=env_idx,
+        rollout_idx=index,
+        agent=agent,
+        model=a.model,
+        adapter=a.adapter,
+        turn=turn,
+        prompt_ids=Array.of(row.prompt_ids, "int32"),
+        response_ids=Array.of(row.ids, "int32"),
+        behavior_logprobs=Array.of(row.logprobs, "float32"),
+        reward=reward,
+        group_key=f"{task.task_id}:{agent}:{turn}",
+        group_size=cfg.workflow.group_size,
+        version=row.version,
+        versions=snapshot,
+        timings={"gen_s": row.seconds, "episode_s": seconds},
+    )
+
+
 def to_episode(cfg: ChorusConfig, task: Task, env_idx: int, trajectories: list[dict[str, Any]],
                ctxs: list[Context], snapshot: dict[str, int], seconds: float) -> Episode:
     G = cfg.workflow.group_size
@@ -176,36 +237,14 @@ def to_episode(cfg: ChorusConfig, task: Task, env_idx: int, trajectories: list[d
         rewards = turn_rewards(cfg, traj)
         used: set[int] = set()
         for turn in traj["trajectory"]:
-            agent, tid = turn["agent_name"], turn["turn_id"]
-            if agent not in cfg.agents:
-                raise WorkflowError(f"trajectory turn {tid} names unknown agent {agent!r}: expected one of "
-                                    f"{sorted(cfg.agents)}")
+            agent, tid = known_agent(cfg, turn), turn["turn_id"]
             row = generation_of(turn, ctx, used)
             if row is None:
                 untrained += 1
                 continue
             used.add(row.gen_id)
-            a = cfg.agents[agent]
-            candidates.setdefault((agent, tid), []).append(Sample(
-                run=cfg.run.id,
-                episode=f"{task.task_id}/{i}",
-                sample_id=Sample.make_id(task.task_id, tid, i),
-                env_idx=env_idx,
-                rollout_idx=i,
-                agent=agent,
-                model=a.model,
-                adapter=a.adapter,
-                turn=tid,
-                prompt_ids=Array.of(row.prompt_ids, "int32"),
-                response_ids=Array.of(row.ids, "int32"),
-                behavior_logprobs=Array.of(row.logprobs, "float32"),
-                reward=rewards[tid],
-                group_key=f"{task.task_id}:{agent}:{tid}",
-                group_size=G,
-                version=row.version,
-                versions=snapshot,
-                timings={"gen_s": row.seconds, "episode_s": seconds},
-            ))
+            candidates.setdefault((agent, tid), []).append(
+                make_sample(cfg, task, env_idx, agent, tid, i, i, row, rewards[tid], snapshot, seconds))
     samples: list[Sample] = []
     dropped = 0
     for _, group in sorted(candidates.items(), key=lambda kv: (kv[0][1], kv[0][0])):
@@ -213,6 +252,52 @@ def to_episode(cfg: ChorusConfig, task: Task, env_idx: int, trajectories: list[d
             samples.extend(group)
         else:
             dropped += 1
+    return _episode(task, samples, trajectories, dropped, untrained, seconds)
+
+
+def tree_episode(cfg: ChorusConfig, task: Task, env_idx: int, trajectory: dict[str, Any], ctx: Context,
+                 snapshot: dict[str, int], seconds: float) -> Episode:
+    """The samples of one tree-sampled rollout: for every turn whose generation was a tree step, the step's G
+    candidates as one group, each rewarded by its own step score (shaped over the agent's kept path)."""
+    steps: list[tuple[Turn, TreeStep]] = []
+    untrained = 0
+    used: set[int] = set()
+    for turn in trajectory["trajectory"]:
+        known_agent(cfg, turn)
+        row = generation_of(turn, ctx, used)
+        step = None if row is None else ctx.tree_steps.get(row.gen_id)
+        if row is None or step is None:  # scripted text, a tool turn, or a judge's (never tree-sampled) row
+            untrained += 1
+            continue
+        used.add(row.gen_id)
+        steps.append((turn, step))
+    steps.sort(key=lambda ts: (ts[0]["turn_id"], ts[0]["agent_name"]))
+    samples: list[Sample] = []
+    for (turn, step), rewards in zip(steps, tree_rewards(cfg, steps), strict=True):
+        agent, tid = turn["agent_name"], turn["turn_id"]
+        samples.extend(make_sample(cfg, task, env_idx, agent, tid, c, 0, row, reward, snapshot, seconds)
+                       for c, (row, reward) in enumerate(zip(step.candidates, rewards, strict=True)))
+    return _episode(task, samples, [trajectory], 0, untrained, seconds)
+
+
+def tree_rewards(cfg: ChorusConfig, steps: list[tuple[Turn, TreeStep]]) -> list[list[float]]:
+    """Each step's candidate rewards: the step scores, with MARTI shaping (when set) against the same history
+    for every candidate, the agent's earlier kept steps. ``steps`` in turn order."""
+    rc = cfg.reward
+    path: dict[str, list[float]] = {}
+    out = []
+    for turn, step in steps:
+        history = path.setdefault(turn["agent_name"], [])
+        if rc.shaping == "none":
+            out.append(list(step.rewards))
+        else:
+            out.append([shape([*history, r], rc.shaping, rc.scope, rc.alpha)[-1] for r in step.rewards])
+        history.append(step.rewards[step.best])
+    return out
+
+
+def _episode(task: Task, samples: list[Sample], trajectories: list[dict[str, Any]], dropped: int,
+             untrained: int, seconds: float) -> Episode:
     agent_rewards: dict[str, list[float]] = {}
     for s in samples:
         agent_rewards.setdefault(s.agent, []).append(s.reward)
