@@ -7,11 +7,12 @@ import contextlib
 import os
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
-from rich.console import Console
+from rich.console import Console, Group, RenderableType
 from rich.live import Live
 from rich.table import Table
 
@@ -114,7 +115,7 @@ def plot(
         console.print(eval_table(evals))
 
 
-async def _status(cfg: ChorusConfig, url: str) -> Table:
+async def _status(cfg: ChorusConfig, url: str) -> RenderableType:
     from nats.js.errors import NotFoundError
 
     from shared.bus import connect, kv_get_int
@@ -148,9 +149,57 @@ async def _status(cfg: ChorusConfig, url: str) -> Table:
             "no service of this run answered $SRV.PING"
         if kv is None:
             t.caption += f" (no KV bucket {names.kv_bucket}: is the run id right? `chorus up` appends a timestamp)"
-        return t
+        tables = agent_table(await _mq_metrics(nc, names, answers))
+        return t if tables is None else Group(t, tables)
     finally:
         await nc.close()
+
+
+async def _mq_metrics(nc: Any, names: Names, answers: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Metrics of every mq that answered the ping, by model, from its status endpoint."""
+    import nats
+
+    from shared.codec import DecodeError, decode_json
+
+    async def ask(model: str, instance: str) -> tuple[str, Any]:
+        try:
+            msg = await nc.request(f"{names.control('mq', 'status')}.{model}.{instance}", b"", timeout=2.0)
+            return model, decode_json(msg.data)
+        except (nats.errors.Error, TimeoutError, DecodeError):
+            return model, None  # gone since the ping: the table shows what did answer
+
+    metas = [a.get("metadata") or {} for a in answers if a.get("name") == "chorus-mq"]
+    replies = await asyncio.gather(*(ask(str(m.get("model")), str(m.get("instance"))) for m in metas))
+    return {model: r for model, r in replies if isinstance(r, dict)}
+
+
+def agent_table(metrics: Mapping[str, Mapping[str, Any]]) -> Table | None:
+    """One row per (model, agent table) of mq's ``agents`` metrics; None if no mq reported."""
+    if not metrics:
+        return None
+    rows: list[tuple[str, str, Mapping[str, Any]]] = []
+    for model, m in sorted(metrics.items()):
+        agents = m.get("agents")
+        if isinstance(agents, Mapping):
+            rows.extend((model, str(a), c) for a, c in sorted(agents.items()) if isinstance(c, Mapping))
+    columns: list[str] = []  # data columns in the order mq reports them
+    for *_, c in rows:
+        filled = c.get("filled")
+        columns.extend(k for k in (filled if isinstance(filled, Mapping) else ()) if k not in columns)
+    t = Table(title="experience store tables (mq)")
+    for col in ("model", "agent", "held", "processing", "dispatchable", *columns):
+        t.add_column(col, justify="left" if col in ("model", "agent") else "right")
+    for model, agent, c in rows:
+        filled = c.get("filled") if isinstance(c.get("filled"), Mapping) else {}
+        t.add_row(model, agent, *(_n(c.get(k)) for k in ("held", "processing", "dispatchable")),
+                  *(_n(filled.get(k)) for k in columns))
+    t.caption = (f"{', '.join(columns)}: rows with that column filled" if columns else "") if rows else \
+        f"no rows held by the mq of {', '.join(sorted(metrics))}"
+    return t
+
+
+def _n(v: object) -> str:
+    return str(v) if isinstance(v, int) and not isinstance(v, bool) else "-"
 
 
 def _v(v: int) -> str:
@@ -159,7 +208,7 @@ def _v(v: int) -> str:
 
 @app.command()
 def status(config: ConfigOpt, nats: NatsOpt = None, run: RunOpt = None) -> None:
-    """Versions, stream depths and live services of a run (use runs/<id>/config.yaml of `chorus up`)."""
+    """Versions, stream depths, live services and mq table counts of a run (use runs/<id>/config.yaml of `chorus up`)."""
     cfg = _load(config, run)
     url = _url(cfg, nats)
     setup_logging(json=False, level="ERROR")

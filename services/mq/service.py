@@ -18,7 +18,7 @@ import nats
 from nats.aio.msg import Msg
 from nats.js.errors import APIError
 
-from services.mq.experience_store import AddKind, Dropped, ExperienceStore, Take
+from services.mq.experience_store import AddKind, Dropped, ExperienceStore, Policy, Take
 from shared.bus import fetch, kv_get_int, pull_consumer
 from shared.codec import DecodeError, encode, encode_json
 from shared.schemas import DepthReport, DropEvent, MicroBatch, Sample
@@ -53,7 +53,8 @@ class MqService(Service):
 
     async def setup(self) -> None:
         assert self.model is not None
-        self.store: ExperienceStore[Msg] = ExperienceStore(self.model, self.cfg.train.max_staleness)
+        self.store: ExperienceStore[Msg] = ExperienceStore(self.model, self.cfg.train.max_staleness,
+                                                           policy=Policy.of(self.cfg))
         self.n_groups = self.cfg.micro_batch_groups()
         self.trained_version = await kv_get_int(self.kv, self.names.trained_key(self.model))
         self.ready_msgs = 0
@@ -180,14 +181,14 @@ class MqService(Service):
         """Count, announce and then ack dropped samples."""
         assert self.model is not None
         for d in drops:
-            self.counters[f"dropped_{d.reason}"] += len(d.samples)
-            ev = DropEvent(model=self.model, sample_ids=d.sample_ids, reason=d.reason, count=len(d.samples))
+            self.counters[f"dropped_{d.reason}"] += len(d.sample_ids)
+            ev = DropEvent(model=self.model, sample_ids=d.sample_ids, reason=d.reason, count=len(d.sample_ids))
             await self.event("drop", **ev.model_dump(by_alias=True), trained_version=self.trained_version)
             await self._settle(d.handles, "ack")
 
     async def _dispatch(self) -> None:
         while not self.stopping:
-            take = self.store.take_micro_batch(self.n_groups)
+            take = self.store.take_micro_batch()  # sized and timed by the store's policy (train.grouping/mode)
             if take is None:
                 return
             if not await self._publish(take):

@@ -267,3 +267,86 @@ def test_up_stops_everything_on_ctrl_c_and_exits_130(nats_url: str, run_id: str,
     assert proc.returncode == 130, out
     pids = [int(p.name) for p in (tmp_path / "pids").iterdir()]
     assert len(pids) >= 9 and not any(_alive(p) for p in pids)
+
+
+# --- `chorus status`: the experience-store tables of mq ---------------------------------------------
+
+
+def _render(renderable: object) -> str:
+    import io
+
+    from rich.console import Console
+
+    out = io.StringIO()
+    Console(file=out, width=160, color_system=None).print(renderable)
+    return out.getvalue()
+
+
+def _table_rows(text: str) -> list[list[str]]:
+    """The cells of every header and body line of rendered tables."""
+    return [[c.strip() for c in line.strip("│┃ ").replace("┃", "│").split("│")]
+            for line in text.splitlines() if line.startswith(("│", "┃"))]
+
+
+def test_status_table_has_one_row_per_model_and_agent_table() -> None:
+    from shared.cli import agent_table
+
+    filled = {"prompt": 5, "response": 4, "reward": 3, "advantage": 2}
+    metrics = {
+        "b": {"agents": {"verifier": {"held": 2, "processing": 2, "dispatchable": 0, "filled": dict.fromkeys(filled, 2)}}},
+        "a": {"agents": {"solver": {"held": 5, "processing": 1, "dispatchable": 2, "filled": filled},
+                         "critic": {"held": 1, "processing": 0}, "junk": "not counts"}},
+        "c": {"agents": "junk"},
+    }
+    text = _render(agent_table(metrics))
+    assert _table_rows(text) == [
+        ["model", "agent", "held", "processing", "dispatchable", "prompt", "response", "reward", "advantage"],
+        ["a", "critic", "1", "0", "-", "-", "-", "-", "-"],  # an mq without the per-column counts
+        ["a", "solver", "5", "1", "2", "5", "4", "3", "2"],
+        ["b", "verifier", "2", "2", "0", "2", "2", "2", "2"],
+    ]
+    assert "rows with that column filled" in text
+    assert agent_table({}) is None
+    assert "no rows held by the mq of a" in _render(agent_table({"a": {"agents": {}}}))
+
+
+async def test_status_shows_the_table_counts_of_a_live_mq(nats_url: str, run_id: str, tmp_path: Path) -> None:
+    import asyncio
+
+    import nats
+
+    from services.mq.service import MqService
+    from shared.cli import _status
+    from shared.codec import encode
+    from shared.schemas import Array, Sample
+    from shared.subjects import Names
+
+    p = tmp_path / "c.yaml"
+    p.write_text(CONFIG.format(run=run_id, dir=tmp_path) + "workflow: {group_size: 2}\n"
+                 "train: {global_batch: 4, micro_batch: 4}\n")
+    cfg = load_config(p)
+    svc = MqService(cfg, nats_url=nats_url, model="a")
+    task = asyncio.create_task(svc.serve())
+    nc = await nats.connect(nats_url)
+    try:
+        for _ in range(200):
+            if getattr(svc, "sub", None) is not None or task.done():
+                break
+            await asyncio.sleep(0.02)
+        half = Sample(run=run_id, episode="t", sample_id="t_0_0", env_idx=0, rollout_idx=0, agent="solver", model="a",
+                      turn=0, prompt_ids=Array.of([1, 2]), response_ids=Array.of([3]),
+                      behavior_logprobs=Array.of([-0.5], "float32"), reward=1.0, group_key="t:solver:0", group_size=2,
+                      version=0)
+        await nc.jetstream().publish(Names(run_id).traj("a"), encode(half))
+        for _ in range(200):
+            if svc.store.depth() == 1:
+                break
+            await asyncio.sleep(0.02)
+        text = _render(await _status(cfg, nats_url))
+    finally:
+        await nc.close()
+        svc.stop()
+        assert await asyncio.wait_for(task, 30) == 0
+    assert "1 service instance(s) answered" in text
+    # half a group: held and dispatchable as a row, waiting for its group
+    assert [r for r in _table_rows(text) if "solver" in r] == [["a", "solver", "1", "0", "1", "1", "1", "1", "1"]]
