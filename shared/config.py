@@ -342,6 +342,11 @@ class ChorusConfig(BaseSettings):
                 f"train.global_batch ({self.train.global_batch}) must be a multiple of "
                 f"workflow.group_size ({self.workflow.group_size}): groups are never split"
             )
+        if self.mq.capacity is not None and self.mq.capacity < self.train.global_batch:
+            raise ValueError(
+                f"mq.capacity ({self.mq.capacity}) must be at least train.global_batch ({self.train.global_batch}): "
+                "a smaller backlog could never make a whole optimizer step"
+            )
         return self
 
     # --- derived --------------------------------------------------------------------------

@@ -1,9 +1,12 @@
 """Mq service: one model's experience queue between the coordinator and the trainer.
 
 Consumes Sample (msgpack) from durable ``mq_<model>`` on the traj stream; drops stale samples (acked,
-counted, ``{"kind": "drop", ...DropEvent}`` on ``events.mq``); assembles whole groups into MicroBatch
+counted, ``{"kind": "drop", ...DropEvent}`` on ``events.mq``); in async mode sheds the oldest groups beyond
+``mq.capacity`` (reason ``overflow``); assembles micro-batches by the store's policy (whole groups, or the
+oldest samples under ``train.grouping: trainer``; in sync mode a whole global batch at once) into MicroBatch
 (msgpack) on the ready stream (``Nats-Msg-Id`` = sha256 of the sorted sample ids) and acks the samples
-only after the PubAck; publishes DepthReport JSON on ``mq.<model>.depth``. Nothing is acked before it is
+only after the PubAck; a full ready stream postpones dispatch without stopping intake; publishes
+DepthReport JSON on ``mq.<model>.depth``. Nothing is acked before it is
 downstream or counted as dropped, so a restarted mq is redelivered whatever was unfinished.
 """
 
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -59,6 +63,8 @@ class MqService(Service):
         self.trained_version = await kv_get_int(self.kv, self.names.trained_key(self.model))
         self.ready_msgs = 0
         self.samples_per_batch = float(self.n_groups * self.cfg.workflow.group_size)
+        self._ready_full_until = 0.0  # monotonic time before which a full ready stream is not retried
+        self._full_backoff = BACKOFF_S[0]
         capacity = self.cfg.mq_capacity
         self.sub = await pull_consumer(
             self.js,
@@ -112,6 +118,10 @@ class MqService(Service):
                 continue
             await self._intake(msgs)
             await self._report(self.store.set_trained_version(self.trained_version))
+            if self.cfg.train.mode == "async":
+                # Over capacity (a slow or stalled trainer): the oldest groups go, counted, so memory stays
+                # bounded and the coordinator keeps serving the other models.
+                await self._report(self.store.shed(self.cfg.mq_capacity))
             await self._dispatch()
 
     async def _version_loop(self) -> None:
@@ -187,6 +197,9 @@ class MqService(Service):
             await self._settle(d.handles, "ack")
 
     async def _dispatch(self) -> None:
+        """Publish every micro-batch that is due; a full ready stream postpones the rest, never blocks intake."""
+        if time.monotonic() < self._ready_full_until:
+            return
         while not self.stopping:
             take = self.store.take_micro_batch()  # sized and timed by the store's policy (train.grouping/mode)
             if take is None:
@@ -201,7 +214,8 @@ class MqService(Service):
             self.samples_per_batch = 0.8 * self.samples_per_batch + 0.2 * len(take.sample_ids)
 
     async def _publish(self, take: Take[Msg]) -> bool:
-        """Publish one micro-batch until the ready stream acks it; False if stopping first."""
+        """Publish one micro-batch until the ready stream acks it; False if stopping first or the stream is full
+        (the trainer pushing back: the batch stays in the store and is tried again after a back-off)."""
         assert self.model is not None
         bid = batch_id(take.sample_ids)
         data = encode(MicroBatch(batch_id=bid, model=self.model, samples=take.samples,
@@ -213,13 +227,16 @@ class MqService(Service):
                                             headers={"Nats-Msg-Id": bid})
                 if ack.duplicate:
                     self.counters["republished"] += 1
+                self._full_backoff = BACKOFF_S[0]
                 return True
             except APIError as exc:
-                # A full ready stream (DiscardNew) is the trainer pushing back: wait, do not drop.
-                full = exc.err_code == STREAM_FULL_CODE or "maximum messages" in str(exc.description or "")
-                self.counters["backpressure_waits" if full else "publish_errors"] += 1
-                if not full:
-                    self.log.warning("micro-batch publish failed", error=f"{type(exc).__name__}: {exc}")
+                if exc.err_code == STREAM_FULL_CODE or "maximum messages" in str(exc.description or ""):
+                    self.counters["backpressure_waits"] += 1
+                    self._ready_full_until = time.monotonic() + self._full_backoff
+                    self._full_backoff = min(BACKOFF_S[1], self._full_backoff * 2)
+                    return False
+                self.counters["publish_errors"] += 1
+                self.log.warning("micro-batch publish failed", error=f"{type(exc).__name__}: {exc}")
             except (nats.errors.Error, TimeoutError) as exc:
                 self.counters["publish_errors"] += 1
                 self.log.warning("micro-batch publish failed", error=f"{type(exc).__name__}: {exc}")

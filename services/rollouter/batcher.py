@@ -218,5 +218,5 @@ class Batcher:
             "batches": s.batches, "requests": s.requests, "rows_generated": s.rows, "tokens": s.tokens,
             "tokens_per_s": round(s.tokens_per_s, 1), "max_requests_per_batch": s.max_requests_per_batch,
             "max_adapters_per_batch": s.max_adapters_per_batch,
-            "expired": s.expired,
+            "expired": s.expired, "busy_s": round(s.busy_s, 4),
         }
