@@ -32,7 +32,7 @@ import yaml
 
 from shared.codec import decode
 from shared.natsserver import NatsServer
-from shared.schemas import Sample
+from shared.schemas import Sample, SyncDone
 from shared.subjects import Names
 from shared.supervisor import Supervisor
 
@@ -48,9 +48,9 @@ def run_config(mode: str, run_id: str, run_dir: Path) -> dict[str, Any]:
     return {
         "run": {"id": run_id, "dir": str(run_dir), "seed": 0},
         "models": {MODEL: {
-            "arch": {"hidden_size": 192, "num_layers": 3, "num_heads": 4, "intermediate_size": 384,
+            "arch": {"hidden_size": 256, "num_layers": 4, "num_heads": 4, "intermediate_size": 512,
                      "max_position": 160},
-            "rollouter": {"instances": 1, "max_batch": 16, "batch_window_ms": 5.0, "threads": 1},
+            "rollouter": {"instances": 1, "max_batch": 8, "batch_window_ms": 5.0, "threads": 1},
             "optim": {"lr": 1.0e-4, "weight_decay": 0.0, "grad_clip": 1.0},
         }},
         "agents": {"solver": {"model": MODEL, "prompt": ""}},
@@ -58,7 +58,7 @@ def run_config(mode: str, run_id: str, run_dir: Path) -> dict[str, Any]:
                      "agents": ["solver"], "concurrency": 8, "group_size": 8, "temperature": 1.0},
         "task": {"name": "arithmetic", "max_operand": 9, "ops": ["+"], "modulo": 10},
         "train": {"mode": mode, "max_staleness": ASYNC_STALENESS if mode == "async" else 0,
-                  "max_versions": 10_000, "global_batch": 64, "micro_batch": 16, "checkpoint_every": 0,
+                  "max_versions": 10_000, "global_batch": 64, "micro_batch": 8, "checkpoint_every": 0,
                   "threads": 1},
         "actions": {"cores": 1},
         "metrics_interval_s": 0.5,
@@ -72,6 +72,9 @@ class Probe:
         self.steps: list[dict[str, Any]] = []
         self.version_of: dict[str, int] = {}
         self.rollouter_busy: list[tuple[float, float]] = []  # (time, busy seconds so far)
+        self.published_at: dict[str, float] = {}
+        self.served_at: dict[int, float] = {}  # version -> when paramsync reported it loaded
+        self.sync_s: dict[int, float] = {}  # version -> paramsync's own seconds for it
 
     async def attach(self, nc: Any, names: Names) -> None:
         async def on_step(msg: Any) -> None:
@@ -83,6 +86,12 @@ class Probe:
         async def on_traj(msg: Any) -> None:
             s = decode(Sample, msg.data)
             self.version_of[s.sample_id] = s.version
+            self.published_at[s.sample_id] = time.monotonic()
+
+        async def on_sync_done(msg: Any) -> None:
+            done = decode(SyncDone, msg.data)
+            self.served_at.setdefault(done.version, time.monotonic())
+            self.sync_s[done.version] = done.seconds
 
         async def on_rollouter(msg: Any) -> None:
             busy = json.loads(msg.data).get("busy_s")
@@ -92,6 +101,25 @@ class Probe:
         await nc.subscribe(names.events("trainer"), cb=on_step)
         await nc.subscribe(names.traj(MODEL), cb=on_traj)
         await nc.subscribe(names.metrics("rollouter", f"{MODEL}-0"), cb=on_rollouter)
+        await nc.subscribe(names.sync_done(MODEL), cb=on_sync_done)
+
+    def phases(self, measured: list[dict[str, Any]]) -> dict[str, float]:
+        """Mean seconds per step on the critical path of an on-policy step (v -> v + 1): new weights served ->
+        first sample of the batch, first -> last sample (generation), last sample -> optimizer step (the
+        training not overlapped), step -> weights served (publish, transfer, pause, load, resume)."""
+        spans: dict[str, list[float]] = {"served->first sample": [], "generation": [], "last sample->step": [],
+                                         "step->served": [], "paramsync": []}
+        for ev in measured:
+            v = ev["version"]
+            times = sorted(self.published_at[sid] for sid in ev["sample_ids"] if sid in self.published_at)
+            if not times or v - 1 not in self.served_at or v not in self.served_at:
+                continue
+            spans["served->first sample"].append(times[0] - self.served_at[v - 1])
+            spans["generation"].append(times[-1] - times[0])
+            spans["last sample->step"].append(ev["seen_at"] - times[-1])
+            spans["step->served"].append(self.served_at[v] - ev["seen_at"])
+            spans["paramsync"].append(self.sync_s.get(v, 0.0))
+        return {k: sum(v) / len(v) for k, v in spans.items() if v}
 
     def busy_at(self, t: float) -> float:
         """The rollouter's busy seconds in its last report at or before ``t``."""
@@ -155,18 +183,32 @@ async def run_mode(mode: str, url: str, work: Path, steps: int, warmup: int, cor
         "samples_per_step": sum(ev["samples"] for ev in measured) / steps,
         "dropped_stale": measured[-1]["dropped_stale"],
         "staleness": dict(sorted(staleness.items())),
+        "phases": probe.phases(measured),
         "per_step_s": [round(b["seen_at"] - a["seen_at"], 2)
                        for a, b in zip(probe.steps[warmup - 1:], measured, strict=False)],
     }
 
 
-async def main(steps: int, warmup: int, timeout_s: float, modes: tuple[str, ...] = MODES) -> dict[str, dict[str, Any]]:
+async def main(steps: int, warmup: int, timeout_s: float, modes: tuple[str, ...] = MODES,
+               work_dir: Path | None = None) -> dict[str, dict[str, Any]]:
     available = sorted(psutil.Process().cpu_affinity() or [0])
     cores = (available[0], available[-1])
     if cores[0] == cores[1]:
         print("only one core available: rollouter and trainer share it, so no mode can overlap them")
+    with tempfile.TemporaryDirectory(prefix="chorus-bench-") as scratch:
+        tmp = work_dir or scratch
+        results = await run_modes(Path(tmp), steps, warmup, cores, timeout_s, modes)
+    if "sync" in results:
+        sync = results["sync"]["step_s"]
+        ratios = " ".join(f"{m}={sync / results[m]['step_s']:.2f}" for m in ("microbatch", "async") if m in results)
+        print(f"speedup {ratios}")
+    return results
+
+
+async def run_modes(tmp: Path, steps: int, warmup: int, cores: tuple[int, int], timeout_s: float,
+                    modes: tuple[str, ...]) -> dict[str, dict[str, Any]]:
     results: dict[str, dict[str, Any]] = {}
-    with tempfile.TemporaryDirectory(prefix="chorus-bench-") as tmp, NatsServer(Path(tmp) / "nats") as server:
+    with NatsServer(Path(tmp) / "nats") as server:
         for mode in modes:
             print(f"running {mode} ({warmup} warm-up + {steps} measured steps) ...", flush=True)
             r = await run_mode(mode, server.url, Path(tmp), steps, warmup, cores, timeout_s)
@@ -175,10 +217,8 @@ async def main(steps: int, warmup: int, timeout_s: float, modes: tuple[str, ...]
                   f"rollouter busy {r['rollouter_busy']:.0%}  samples/step {r['samples_per_step']:.0f}  "
                   f"staleness {r['staleness']}  dropped stale {r['dropped_stale']}", flush=True)
             print(f"  per-step wall seconds: {r['per_step_s']}", flush=True)
-    if "sync" in results:
-        sync = results["sync"]["step_s"]
-        ratios = " ".join(f"{m}={sync / results[m]['step_s']:.2f}" for m in ("microbatch", "async") if m in results)
-        print(f"speedup {ratios}")
+            print("  mean seconds per step: " + ", ".join(f"{k} {v:.2f}" for k, v in r["phases"].items())
+                  + (" (overlapping in async mode)" if mode == "async" else ""), flush=True)
     return results
 
 
@@ -188,10 +228,11 @@ if __name__ == "__main__":
     ap.add_argument("--warmup", type=int, default=2, help="steps before measuring (model load, first sync)")
     ap.add_argument("--timeout-s", type=float, default=180.0, help="give up on a mode after this long")
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of sync,microbatch,async")
+    ap.add_argument("--work-dir", type=Path, default=None, help="keep configs, run dirs and service logs here")
     a = ap.parse_args()
     modes = tuple(m.strip() for m in a.modes.split(",") if m.strip())
     if not modes or any(m not in MODES for m in modes):
         ap.error(f"--modes: choose from {','.join(MODES)}")
     if a.warmup < 1 or a.steps < 1:
         ap.error("--warmup and --steps must be at least 1")
-    asyncio.run(main(a.steps, a.warmup, a.timeout_s, modes))
+    asyncio.run(main(a.steps, a.warmup, a.timeout_s, modes, a.work_dir))

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import base64
+import contextlib
+import hashlib
 from typing import Any
 
 import nats
@@ -172,3 +175,50 @@ async def kv_put_int_max(kv: KeyValue, key: str, value: int) -> int:
         except Exception:  # lost a race; read again
             await asyncio.sleep(0.01)
     raise RuntimeError(f"could not set KV {key} to {value}: too much contention")
+
+
+OBJECT_FETCH_BATCH = 256  # chunks per pull request when reading an object
+
+
+async def read_object(js: JetStreamContext, bucket: str, name: str, *, timeout_s: float = 30.0) -> bytearray:
+    """An object store object read straight into one buffer, checked against its SHA-256 digest.
+
+    Reads the chunks with a short-lived pull consumer in large batches. nats-py's ``ObjectStore.get`` goes
+    through an ordered push consumer whose flow control stalls about 0.25 s every few megabytes (an 11 MB
+    object took 0.53 s here, against 0.05 s this way).
+    """
+    store = await js.object_store(bucket)
+    info = await store.get_info(name)
+    if info.is_link():
+        raise ValueError(f"object {name!r} in {bucket!r} is a link; links are not followed")
+    size = int(info.size or 0)
+    buf = bytearray(size)
+    if size == 0:
+        return buf
+    sub = await js.pull_subscribe(
+        f"$O.{bucket}.C.{info.nuid}", stream=f"OBJ_{bucket}",
+        config=jsapi.ConsumerConfig(ack_policy=jsapi.AckPolicy.NONE, deliver_policy=jsapi.DeliverPolicy.ALL,
+                                    inactive_threshold=max(5.0, timeout_s)),
+    )
+    digest = hashlib.sha256()
+    offset = chunks = 0
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    try:
+        while chunks < int(info.chunks or 0):
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                raise TimeoutError(f"reading object {name!r}: {chunks} of {info.chunks} chunks in {timeout_s}s")
+            for msg in await sub.fetch(min(OBJECT_FETCH_BATCH, int(info.chunks) - chunks), timeout=left):
+                end = offset + len(msg.data)
+                if end > size:
+                    raise ValueError(f"object {name!r}: chunks hold more than its {size} bytes")
+                buf[offset:end] = msg.data
+                digest.update(msg.data)
+                offset, chunks = end, chunks + 1
+    finally:
+        with contextlib.suppress(nats.errors.Error, TimeoutError):
+            await sub.unsubscribe()
+    expected = (info.digest or "").split("=", 1)[-1]
+    if offset != size or base64.urlsafe_b64encode(digest.digest()).decode() != expected:
+        raise ValueError(f"object {name!r}: read {offset} of {size} bytes, or its digest does not match")
+    return buf

@@ -342,6 +342,9 @@ class ChorusConfig(BaseSettings):
                 f"train.global_batch ({self.train.global_batch}) must be a multiple of "
                 f"workflow.group_size ({self.workflow.group_size}): groups are never split"
             )
+        if self.paramsync.chunk_kb * 1024 > self.nats.max_payload_mb * 1024 * 1024:
+            raise ValueError(f"paramsync.chunk_kb ({self.paramsync.chunk_kb}) must fit in one NATS message "
+                             f"(nats.max_payload_mb {self.nats.max_payload_mb})")
         if self.mq.capacity is not None and self.mq.capacity < self.train.global_batch:
             raise ValueError(
                 f"mq.capacity ({self.mq.capacity}) must be at least train.global_batch ({self.train.global_batch}): "

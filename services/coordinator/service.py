@@ -83,6 +83,9 @@ class CoordinatorService(Service):
         self._announced_done = False
         for m in self.models:
             await self.nc.subscribe(self.names.depth(m), cb=self._on_depth)
+            # New weights served: read the version at once (the poll is the fallback), so an on-policy
+            # batch opens without waiting out a poll period.
+            await self.nc.subscribe(self.names.sync_done(m), cb=self._on_sync_done)
         self.spawn(self._version_loop(), "versions")
         self.heldout = heldout_tasks(cfg.task, cfg.eval.tasks, cfg.run.seed) if cfg.eval.every else []
         self._loops: list[asyncio.Task[None]] = []
@@ -140,6 +143,17 @@ class CoordinatorService(Service):
                 self.log.info("every model reached max_versions: no new tasks", trained=self.admission.trained)
                 await self.event("admission_stopped", trained=dict(self.admission.trained))
             await asyncio.sleep(VERSION_POLL_S)
+
+    async def _on_sync_done(self, msg: Msg) -> None:
+        model = msg.subject.rsplit(".", 2)[-2]
+        if model not in self.models:
+            return
+        try:
+            self.served[model] = max(self.served.get(model, 0),
+                                     await kv_get_int(self.kv, self.names.version_key(model)))
+        except (nats.errors.Error, TimeoutError, ValueError) as exc:
+            self.counters["version_poll_errors"] += 1
+            self.log.warning("reading the served version failed", model=model, error=f"{type(exc).__name__}: {exc}")
 
     async def _on_depth(self, msg: Msg) -> None:
         try:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import io
 import json
 import time
 from collections.abc import Awaitable, Callable
@@ -20,7 +19,7 @@ from nats.aio.subscription import Subscription
 
 from services.rollouter.batcher import Batcher
 from services.rollouter.engine import SamplingParams, TorchEngine, UnknownAdapter
-from shared.bus import kv_get_int
+from shared.bus import kv_get_int, read_object
 from shared.codec import DecodeError, decode, encode
 from shared.config import ChorusConfig
 from shared.models import Tokenizer, load_model, load_tokenizer
@@ -243,9 +242,7 @@ class RollouterService(Service):
 
     async def _load_object(self, name: str, *, version: int | None, checksum: str | None) -> str:
         assert self.model is not None
-        buf = io.BytesIO()
-        await self.obj.get(name, writeinto=buf)
-        blob = buf.getbuffer()
+        blob = await read_object(self.js, self.names.obj_bucket, name)
         model = self.model
         digest = await self.batcher.exclusive(
             lambda: load_weights(self.engine, model, blob, version=version, checksum=checksum))

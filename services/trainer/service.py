@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 import nats.errors
 from nats.aio.msg import Msg
+from nats.js.api import ObjectMeta, ObjectMetaOptions
 from nats.js.errors import NotFoundError
 
 from services.trainer.grpo import micro_batch_advantages
@@ -55,6 +56,7 @@ class TrainerService(Service):
         self.train = self.cfg.train
         self.ckpt_dir = self.cfg.run_dir / "checkpoints" / self.model
         self.metrics_path = self.cfg.run_dir / "metrics.jsonl"
+        self.chunk_bytes = self.cfg.paramsync.chunk_kb * 1024
         self.seen = SeenIds()
         self.book = StepBook()
         self.held: list[Msg] = []  # micro-batches whose gradients are accumulated, acked after the step
@@ -251,7 +253,8 @@ class TrainerService(Service):
         name = self.names.weights_object(self.model, version)
         for attempt in range(1, PUBLISH_ATTEMPTS + 1):
             try:
-                await asyncio.wait_for(self.obj.put(name, blob), timeout=PUBLISH_TIMEOUT_S)
+                meta = ObjectMeta(name=name, options=ObjectMetaOptions(max_chunk_size=self.chunk_bytes))
+                await asyncio.wait_for(self.obj.put(name, blob, meta=meta), timeout=PUBLISH_TIMEOUT_S)
                 break
             except (TimeoutError, nats.errors.Error) as exc:
                 self.counters["weights_publish_retries"] += 1
