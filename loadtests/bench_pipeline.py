@@ -41,6 +41,7 @@ CHORUS = str(Path(sys.executable).parent / "chorus")
 MODEL = "m"
 MODES = ("sync", "microbatch", "async")
 ASYNC_STALENESS = 2
+PROMPT = "You are the solver of a team. Read the notes before you; reply with the last digit of the sum. Task: "
 
 
 def run_config(mode: str, run_id: str, run_dir: Path) -> dict[str, Any]:
@@ -53,7 +54,9 @@ def run_config(mode: str, run_id: str, run_dir: Path) -> dict[str, Any]:
             "rollouter": {"instances": 1, "max_batch": 8, "batch_window_ms": 5.0, "threads": 1},
             "optim": {"lr": 1.0e-4, "weight_decay": 0.0, "grad_clip": 1.0},
         }},
-        "agents": {"solver": {"model": MODEL, "prompt": ""}},
+        # A long instruction, as agents of a multi-agent workflow read the turns before theirs: prompt tokens
+        # cost the trainer a forward and backward pass each, the rollouter one batched prefill.
+        "agents": {"solver": {"model": MODEL, "prompt": PROMPT}},
         "workflow": {"name": "custom", "function": str(ROOT / "loadtests" / "longtail_workflow.py") + ":longtail",
                      "agents": ["solver"], "concurrency": 8, "group_size": 8, "temperature": 1.0},
         "task": {"name": "arithmetic", "max_operand": 9, "ops": ["+"], "modulo": 10},
