@@ -17,6 +17,7 @@ from shared.schemas import RolloutControl, RolloutControlReply, SyncDone, Weight
 from shared.service import Service
 
 LIST_TIMEOUT_S = 5.0
+LIST_ATTEMPTS = 3
 RESUME_TIMEOUT_S = 5.0
 # Extra time the request waits beyond the timeout the rollouter itself is given.
 REPLY_MARGIN_S = 2.0
@@ -104,6 +105,18 @@ class ParamSyncService(Service):
         return done
 
     async def _live_instances(self) -> list[str]:
+        """Registered rollouter instances; an empty listing is read again before it is believed (a KV watch
+        can end its snapshot before delivering the keys), since committing to nobody skips every rollouter."""
+        for attempt in range(LIST_ATTEMPTS):
+            found = await self._list_instances()
+            if found:
+                return found
+            if attempt + 1 < LIST_ATTEMPTS:
+                self.counters["empty_listings"] += 1
+                await asyncio.sleep(0.1 * (attempt + 1))
+        return []
+
+    async def _list_instances(self) -> list[str]:
         assert self.model is not None
         prefix = self.names.rollouter_prefix(self.model)
         keys: list[str] = []

@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import msgpack
+import nats.errors
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
@@ -29,6 +30,7 @@ from shared.weights import load_into, unpack
 
 VERBS = ("pause", "load", "resume", "info")
 STOP_TIMEOUT_S = 20.0
+CATCH_UP_S = 1.0  # how often an instance checks that it serves the version in KV
 
 
 class BadRequest(ValueError):
@@ -107,6 +109,7 @@ class RollouterService(Service):
         self.spawn(self.batcher.run(), "batcher")
         self._last_control = time.monotonic()
         self.spawn(self._pause_watchdog(), "pause-watchdog")
+        self.spawn(self._catch_up_loop(), "catch-up")
 
         for verb in VERBS:
             await self.nc.subscribe(self.names.rollout_control(self.model, self.instance, verb),
@@ -257,6 +260,24 @@ class RollouterService(Service):
                                         checksum=checksum if checksum is not None else self.checksum,
                                         in_flight=self.batcher.in_flight, error=error)
             await msg.respond(encode(reply))
+
+    async def _catch_up_loop(self) -> None:
+        """Load the served version if it is ahead of ours: a sync that missed this instance (not listed, or
+        registered late) would otherwise leave it generating with old weights under a newer version."""
+        assert self.model is not None
+        while not self.stopping:
+            await asyncio.sleep(CATCH_UP_S)
+            if self.batcher.paused:
+                continue  # paramsync is at work
+            try:
+                served = await kv_get_int(self.kv, self.names.version_key(self.model))
+            except (nats.errors.Error, TimeoutError, ValueError):
+                continue
+            if served > self.engine.version and not self.batcher.paused:
+                self.counters["catch_ups"] += 1
+                self.log.warning("served version is ahead of this instance; loading it", served=served,
+                                 have=self.engine.version)
+                await self._catch_up()
 
     async def _catch_up(self) -> None:
         """Start on the served version if paramsync already moved the model past v0 (best effort)."""

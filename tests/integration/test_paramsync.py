@@ -186,6 +186,26 @@ async def test_a_rollouter_started_later_catches_up_with_the_served_version(setu
         assert await asyncio.wait_for(task, 30) == 0
 
 
+async def test_a_running_rollouter_that_a_sync_missed_loads_the_served_version_by_itself(setup: Setup) -> None:
+    s = setup
+    # Weights of v6 in the store and the served version raised, as by a sync that did not list instance 1.
+    expected = await publish_weights(s, version=6, delta=0.02)
+    done_sub = await s.nc.subscribe(s.names.sync_done(MODEL))
+    assert decode(SyncDone, (await done_sub.next_msg(timeout=30)).data).version == 6
+    r = s.rollouters[1]
+    r.engine.version = 5  # this instance missed v6 (its tensors are those of v6 already; load them again)
+    with torch.no_grad():
+        for t in r.engine.named_tensors().values():
+            t.zero_()
+    for _ in range(100):
+        if r.engine.version == 6:
+            break
+        await asyncio.sleep(0.1)
+    assert r.engine.version == 6 and r.counters["catch_ups"] >= 1
+    got = r.engine.named_tensors()
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+
+
 async def test_a_lora_update_ships_only_adapters_and_loads_them_with_the_base_untouched(
         nats_url: str, run_id: str, tmp_path: Path) -> None:
     cfg = write_config(tmp_path, run_id, lora=True)
