@@ -3,7 +3,7 @@ the on-policy modes (sync, microbatch) one global batch of samples per version."
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 
@@ -69,10 +69,10 @@ class BatchGate:
     in_flight: int = 0
     batches: int = 0  # batches opened
 
-    def needs(self, model: str, done: set[str]) -> bool:
+    def needs(self, model: str, done: Collection[str]) -> bool:
         return model not in done and self.reserved.get(model, 0.0) < self.global_batch
 
-    def may_start(self, served: Mapping[str, int], done: set[str] = frozenset()) -> bool:  # type: ignore[assignment]
+    def may_start(self, served: Mapping[str, int], done: Collection[str] = ()) -> bool:
         """Whether a task may start now; ``done``: models that need no more samples (budget spent)."""
         if self.base is not None and any(self.needs(m, done) for m in self.models):
             return True
