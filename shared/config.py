@@ -266,10 +266,16 @@ class ActionsConfig(Section):
 
 
 class ParamSyncConfig(Section):
-    transport: Literal["nats"] = "nats"
-    pause_timeout_s: float = 30.0
-    load_timeout_s: float = 60.0
-    chunk_kb: int = Field(default=512, ge=16)
+    # ucx: buckets straight from the trainer's memory into each rollouter over UCX (shared memory on one host,
+    # RDMA/TCP across hosts); nats: through the JetStream object store. auto: ucx where ucxx is installed.
+    transport: Literal["auto", "ucx", "nats"] = "auto"
+    bucket_mb: int = Field(default=64, ge=1, le=4096)  # bucket size: one transfer and one checksum each
+    pause_timeout_s: float = Field(default=30.0, gt=0)
+    load_timeout_s: float = Field(default=60.0, gt=0)
+    load_attempts: int = Field(default=2, ge=1)  # per instance and version; a live instance failing all of them
+    # is kept out of routing (and keeps trying by itself) while the others serve the new version
+    keep_versions: int = Field(default=2, ge=1)  # versions a ucx trainer holds in memory for late loaders
+    chunk_kb: int = Field(default=512, ge=16)  # object store chunk size (transport nats)
 
 
 class ChorusConfig(BaseSettings):

@@ -97,7 +97,9 @@ class RolloutControl(Message):
     """pause / load / resume of one rollouter instance, sent by paramsync."""
 
     verb: Literal["pause", "load", "resume", "info"]
+    # load: the version to load; resume: the served version (an instance behind it stays out of routing)
     version: int = 0
+    transport: Literal["nats", "ucx"] = "nats"
     object_name: str | None = None
     checksum: str | None = None
     timeout_s: float = 30.0
@@ -109,6 +111,7 @@ class RolloutControlReply(Message):
     version: int
     checksum: str | None = None
     in_flight: int = 0
+    routing: bool = True  # subscribed to the model's generation subjects
     error: str | None = None
 
 
@@ -158,14 +161,44 @@ class MicroBatch(Message):
 
 
 class WeightsAnnounce(Message):
-    """The trainer has weights of ``version`` for ``model`` in the object store."""
+    """The trainer has weights of ``version`` for ``model``: in the object store (transport nats, under
+    ``object_name``) or in its memory, served bucket by bucket over UCX (transport ucx)."""
 
     model: str
     version: int
-    object_name: str
-    checksum: str  # sha256 hex of the flat buffer
+    transport: Literal["nats", "ucx"] = "nats"
+    object_name: str | None = None
+    checksum: str  # of the flat buffer: the digest of its bucket digests (shared.weights.checksum)
     nbytes: int
     created_at: float = Field(default_factory=time.time)
+
+
+class WeightsMetaRequest(Message):
+    """Rollouter -> trainer (transport ucx): the header of a version it holds."""
+
+    model: str
+    version: int
+
+
+class WeightsPull(Message):
+    """Rollouter -> trainer (transport ucx): send every bucket of ``version`` to the UCX worker at ``address``,
+    bucket i with tag ``tag + i``; the reply comes once every send has completed."""
+
+    model: str
+    version: int
+    instance: str
+    address: bytes
+    tag: int = Field(ge=0, lt=2**63)
+
+
+class WeightsReply(Message):
+    """The trainer's answer to WeightsMetaRequest (``header``: a packed WeightsHeader) or WeightsPull."""
+
+    ok: bool
+    header: bytes | None = None
+    held: list[int] = Field(default_factory=list)  # versions the trainer can serve
+    seconds: float = 0.0
+    error: str | None = None
 
 
 class SyncDone(Message):

@@ -69,6 +69,14 @@ class Names:
     def sync_done(self, model: str) -> str:
         return self.sync(model, "done")
 
+    def weights_meta(self, model: str) -> str:
+        """Request/reply to the trainer (transport ucx): the header of a version."""
+        return self.sync(model, "weights.meta")
+
+    def weights_pull(self, model: str) -> str:
+        """Request/reply to the trainer (transport ucx): send a version's buckets to a UCX worker."""
+        return self.sync(model, "weights.pull")
+
     # --- actions ----------------------------------------------------------------------------
     def actions_submit(self) -> str:
         return f"{self.prefix}.actions.submit"

@@ -62,10 +62,13 @@ class SyncOutcome:
 
 
 def decide(results: Iterable[InstanceResult]) -> SyncOutcome:
-    """The served version moves only when every live instance loaded the announced weights.
+    """Whether the served version moves to the announced one, once every instance has been tried.
 
-    An unreachable instance is not live (its registration outlived it): it is reported, not waited for.
-    With no live instance at all the version still moves, so a rollouter starting later loads it.
+    It moves when at least one live instance loaded the weights: the ones that failed every attempt are
+    kept out of routing (they are resumed with the new served version, which they do not hold) and reported,
+    so no request is answered with the old weights under the new version. It also moves with no live
+    instance at all (an unreachable instance's registration outlived it), so a rollouter starting later loads
+    it. It stays when every live instance failed: they keep serving the old version.
     """
     loaded: list[str] = []
     failed: dict[str, str] = {}
@@ -76,4 +79,4 @@ def decide(results: Iterable[InstanceResult]) -> SyncOutcome:
             continue
         failed[r.instance] = r.error or "failed"
         live_failure = live_failure or r.reachable
-    return SyncOutcome(sorted(loaded), failed, commit=not live_failure)
+    return SyncOutcome(sorted(loaded), failed, commit=bool(loaded) or not live_failure)

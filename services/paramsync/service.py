@@ -11,7 +11,7 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
 from services.paramsync.protocol import AnnounceQueue, InstanceResult, decide, instances_from_keys
-from shared.bus import kv_put_int_max
+from shared.bus import kv_get_int, kv_put_int_max
 from shared.codec import DecodeError, decode, encode
 from shared.schemas import RolloutControl, RolloutControlReply, SyncDone, WeightsAnnounce
 from shared.service import Service
@@ -86,13 +86,18 @@ class ParamSyncService(Service):
         instances = await self._live_instances()
         results = await asyncio.gather(*(self._pause_and_load(i, ann) for i in instances))
         outcome = decide(results)
+        served = ann.version
         try:
             if outcome.commit:
-                await kv_put_int_max(self.kv, self.names.version_key(self.model), ann.version)
+                served = await kv_put_int_max(self.kv, self.names.version_key(self.model), ann.version)
                 self.queue.done(ann.version)
+            else:
+                served = await kv_get_int(self.kv, self.names.version_key(self.model))
         finally:
-            # Resume everyone reachable, failed ones too: a failed load leaves the old weights serving.
-            await asyncio.gather(*(self._resume(r.instance) for r in results if r.reachable))
+            # Resume everyone reachable with the served version: an instance that loaded it (or, with no
+            # commit, still holds the old one) serves; one that failed to load it stays out of routing and
+            # loads it by itself.
+            await asyncio.gather(*(self._resume(r.instance, served) for r in results if r.reachable))
         done = SyncDone(model=self.model, version=ann.version, loaded=outcome.loaded, failed=outcome.failed,
                         seconds=round(time.perf_counter() - t0, 4))
         await self.nc.publish(self.names.sync_done(self.model), encode(done))
@@ -134,13 +139,28 @@ class ParamSyncService(Service):
         return instances_from_keys(keys, prefix)
 
     async def _pause_and_load(self, instance: str, ann: WeightsAnnounce) -> InstanceResult:
+        """Pause, then load with up to ``load_attempts`` tries; an unreachable instance is not retried."""
         sync_cfg = self.cfg.paramsync
         try:
             await self._control(instance, RolloutControl(verb="pause", version=ann.version,
                                                          timeout_s=sync_cfg.pause_timeout_s))
+        except ControlFailed as exc:
+            return InstanceResult(instance, loaded=False, reachable=exc.reachable, error=str(exc))
+        result = InstanceResult(instance, loaded=False)
+        for attempt in range(1, sync_cfg.load_attempts + 1):
+            result = await self._load(instance, ann)
+            if result.loaded or not result.reachable:
+                return result
+            self.counters["load_retries" if attempt < sync_cfg.load_attempts else "load_gave_up"] += 1
+            self.log.warning("load failed", instance=instance, version=ann.version, attempt=attempt,
+                             error=result.error)
+        return result
+
+    async def _load(self, instance: str, ann: WeightsAnnounce) -> InstanceResult:
+        try:
             reply = await self._control(instance, RolloutControl(
-                verb="load", version=ann.version, object_name=ann.object_name, checksum=ann.checksum,
-                timeout_s=sync_cfg.load_timeout_s))
+                verb="load", version=ann.version, transport=ann.transport, object_name=ann.object_name,
+                checksum=ann.checksum, timeout_s=self.cfg.paramsync.load_timeout_s))
         except ControlFailed as exc:
             return InstanceResult(instance, loaded=False, reachable=exc.reachable, error=str(exc))
         if reply.checksum != ann.checksum or reply.version != ann.version:
@@ -148,9 +168,9 @@ class ParamSyncService(Service):
                 f"acked v{reply.version} checksum {reply.checksum}, expected v{ann.version} {ann.checksum}"))
         return InstanceResult(instance, loaded=True)
 
-    async def _resume(self, instance: str) -> None:
+    async def _resume(self, instance: str, served: int) -> None:
         try:
-            await self._control(instance, RolloutControl(verb="resume", timeout_s=RESUME_TIMEOUT_S))
+            await self._control(instance, RolloutControl(verb="resume", version=served, timeout_s=RESUME_TIMEOUT_S))
         except ControlFailed as exc:
             self.counters["resume_failures"] += 1
             self.log.warning("resume failed", instance=instance, error=str(exc))

@@ -1,11 +1,14 @@
 """Rollouter service: answers GenRequests on the bus, obeys paramsync's pause/load/resume control.
 
 A LoRA model serves all its adapters from one engine; a request names its adapter, or none for the base.
+An instance is in routing (subscribed to the model's generation subjects) only while it holds the served
+version: one whose load failed stays out, loads the served version by itself, and then comes back.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import time
@@ -20,13 +23,14 @@ from nats.aio.subscription import Subscription
 
 from services.rollouter.batcher import Batcher
 from services.rollouter.engine import SamplingParams, TorchEngine, UnknownAdapter
-from shared.bus import kv_get_int, read_object
+from shared.bus import kv_get_int
 from shared.codec import DecodeError, decode, encode
 from shared.config import ChorusConfig
 from shared.models import Tokenizer, load_model, load_tokenizer
 from shared.schemas import Array, GenOutput, GenRequest, GenResponse, RolloutControl, RolloutControlReply
 from shared.service import Service
-from shared.weights import load_into, unpack
+from shared.weights import WeightsHeader, load_into
+from shared.weightsync import TRANSPORTS, WeightSink, make_sink, resolve_transport
 
 VERBS = ("pause", "load", "resume", "info")
 STOP_TIMEOUT_S = 20.0
@@ -60,14 +64,17 @@ def request_prompts(req: GenRequest, engine: TorchEngine) -> list[list[int]]:
     return out
 
 
-def load_weights(engine: TorchEngine, model: str, blob: memoryview, *, version: int | None,
+def load_weights(engine: TorchEngine, model: str, header: WeightsHeader, body: memoryview, *, version: int | None,
                  checksum: str | None) -> str:
-    """Load a packed weights object into the engine in place (worker thread); returns the checksum."""
-    header, body = unpack(blob)
+    """Check a fetched version bucket by bucket and load it into the engine in place (engine thread).
+
+    Everything is checked before the first tensor is written: a partial or corrupted transfer leaves the
+    served weights as they were. Returns the checksum.
+    """
     if header.model != model:
         raise ValueError(f"weights are for model {header.model!r}, this rollouter serves {model!r}")
     if version is not None and header.version != version:
-        raise ValueError(f"weights object holds v{header.version}, control asked for v{version}")
+        raise ValueError(f"weights hold v{header.version}, control asked for v{version}")
     if checksum is not None and header.checksum != checksum:
         raise ValueError(f"weights header checksum {header.checksum} != announced {checksum}")
     named = engine.named_tensors()
@@ -105,6 +112,10 @@ class RollouterService(Service):
                                window_s=rc.batch_window_ms / 1000.0, request_timeout_s=rc.request_timeout_s)
         self.checksum: str | None = None
         self._replies: set[asyncio.Task[None]] = set()
+        self._sinks: dict[str, WeightSink] = {}
+        self._catch_up_failed = -1
+        self._gen_subs: list[Subscription] = []
+        self._transport = resolve_transport(self.cfg)  # until paramsync names the trainer's
         await self._catch_up()
         self.spawn(self.batcher.run(), "batcher")
         self._last_control = time.monotonic()
@@ -114,10 +125,12 @@ class RollouterService(Service):
         for verb in VERBS:
             await self.nc.subscribe(self.names.rollout_control(self.model, self.instance, verb),
                                     cb=self._control_handler(verb))
-        self._gen_subs: list[Subscription] = [
-            await self.nc.subscribe(self.names.gen(self.model), queue="rollouter", cb=self._on_gen),
-            await self.nc.subscribe(self.names.gen_direct(self.model, self.instance), cb=self._on_gen),
-        ]
+        served = await self._served()
+        if self.engine.version >= served:
+            await self._join_routing()
+        else:
+            self.log.warning("starting out of routing: the served version could not be loaded", served=served,
+                             have=self.engine.version)
         # Register last: paramsync only finds this instance once its control subjects answer.
         await self.kv.put(self.names.rollouter_key(self.model, self.instance),
                           json.dumps({"instance": self.instance, "started_at": self.started_at}).encode())
@@ -130,17 +143,59 @@ class RollouterService(Service):
             self.log.warning("could not deregister", error=str(exc))
         for sub in self._gen_subs:
             await sub.unsubscribe()
+        self._gen_subs = []
         if not await self.batcher.flush(STOP_TIMEOUT_S):
             failed = self.batcher.fail_queued(RuntimeError("rollouter is stopping"))
             self.counters["failed_on_stop"] += failed
         if self._replies:
             await asyncio.wait(self._replies, timeout=5)
         self._executor.shutdown(wait=False, cancel_futures=True)
+        for sink in self._sinks.values():
+            await sink.close()
 
     def extra_metrics(self) -> dict[str, Any]:
         if not hasattr(self, "batcher"):
             return {}
-        return {"version": self.engine.version, "adapters": list(self.engine.adapters), **self.batcher.snapshot()}
+        return {"version": self.engine.version, "adapters": list(self.engine.adapters), "routing": self.routing,
+                **self.batcher.snapshot()}
+
+    # --- routing -------------------------------------------------------------------------
+    @property
+    def routing(self) -> bool:
+        return bool(getattr(self, "_gen_subs", None))
+
+    async def _join_routing(self) -> None:
+        if self.routing or self.stopping:
+            return
+        assert self.model is not None
+        self._gen_subs = [
+            await self.nc.subscribe(self.names.gen(self.model), queue="rollouter", cb=self._on_gen),
+            await self.nc.subscribe(self.names.gen_direct(self.model, self.instance), cb=self._on_gen),
+        ]
+        self.log.info("in routing", version=self.engine.version)
+        await self.event("routing", instance=self.instance, model=self.model, routing=True,
+                         version=self.engine.version)
+
+    async def _leave_routing(self, reason: str) -> None:
+        """Stop taking requests (NATS routes them to the other instances); queued ones fail, to be retried."""
+        if not self.routing:
+            return
+        subs, self._gen_subs = self._gen_subs, []
+        for sub in subs:
+            with contextlib.suppress(nats.errors.Error):
+                await sub.unsubscribe()
+        failed = self.batcher.fail_queued(RuntimeError(f"instance {self.instance} left routing: {reason}"))
+        self.counters["left_routing"] += 1
+        self.log.warning("out of routing", reason=reason, version=self.engine.version, failed_queued=failed)
+        await self.event("routing", instance=self.instance, model=self.model, routing=False,
+                         version=self.engine.version, reason=reason)
+
+    async def _served(self) -> int:
+        assert self.model is not None
+        try:
+            return await kv_get_int(self.kv, self.names.version_key(self.model))
+        except (nats.errors.Error, TimeoutError, ValueError):
+            return self.engine.version  # cannot tell: trust what is loaded
 
     # --- generation ----------------------------------------------------------------------
     async def _on_gen(self, msg: Msg) -> None:
@@ -206,6 +261,11 @@ class RollouterService(Service):
             await self._control_reply(msg, ok=drained, error=None if drained else
                                       f"{self.batcher.in_flight} requests still in flight after {ctl.timeout_s}s")
         elif verb == "resume":
+            # ctl.version is the served version: an instance that could not load it stays out of routing
+            if self.engine.version >= ctl.version:
+                await self._join_routing()
+            else:
+                await self._leave_routing(f"holds v{self.engine.version}, v{ctl.version} is served")
             self.batcher.resume()
             await self._control_reply(msg, ok=True)
         elif verb == "load":
@@ -228,29 +288,45 @@ class RollouterService(Service):
                 self.log.warning("paused without a controller; resumed by itself", lease_s=lease)
 
     async def _on_load(self, msg: Msg, ctl: RolloutControl) -> None:
-        if not ctl.object_name:
-            await self._control_reply(msg, ok=False, error="load needs object_name")
-            return
         t0 = time.perf_counter()
+        self._transport = ctl.transport
         try:
-            digest = await asyncio.wait_for(
-                self._load_object(ctl.object_name, version=ctl.version, checksum=ctl.checksum), ctl.timeout_s)
-        except Exception as exc:  # missing object, timeout, checksum or shape mismatch
+            digest = await self._load_version(ctl.version, transport=ctl.transport, object_name=ctl.object_name,
+                                              checksum=ctl.checksum, timeout_s=ctl.timeout_s)
+        except Exception as exc:  # missing object, trainer gone, timeout, checksum or shape mismatch
             self.counters["load_failures"] += 1
-            self.log.warning("load failed", object=ctl.object_name, error=f"{type(exc).__name__}: {exc}")
+            self.log.warning("load failed", version=ctl.version, transport=ctl.transport,
+                             error=f"{type(exc).__name__}: {exc}")
             await self._control_reply(msg, ok=False, error=f"{type(exc).__name__}: {exc}")
             return
-        self.log.info("weights loaded", version=self.engine.version, seconds=round(time.perf_counter() - t0, 3))
+        self.log.info("weights loaded", version=self.engine.version, transport=ctl.transport,
+                      seconds=round(time.perf_counter() - t0, 3))
         await self._control_reply(msg, ok=True, checksum=digest)
 
-    async def _load_object(self, name: str, *, version: int | None, checksum: str | None) -> str:
+    def _sink(self, transport: str) -> WeightSink:
         assert self.model is not None
-        blob = await read_object(self.js, self.names.obj_bucket, name)
+        sink = self._sinks.get(transport)
+        if sink is None:
+            sink = self._sinks[transport] = make_sink(transport, self.names, self.model, self.instance,
+                                                      self.nc, self.js)
+        return sink
+
+    async def _load_version(self, version: int, *, transport: str, object_name: str | None, checksum: str | None,
+                            timeout_s: float) -> str:
+        """Fetch ``version`` into the staging buffer, then check and load it between two batches."""
+        assert self.model is not None
+        sink = self._sink(transport)
+        header, body = await sink.fetch(version, object_name=object_name, timeout_s=timeout_s)
         model = self.model
-        digest = await self.batcher.exclusive(
-            lambda: load_weights(self.engine, model, blob, version=version, checksum=checksum))
+        try:
+            digest = await self.batcher.exclusive(
+                lambda: load_weights(self.engine, model, header, body, version=version, checksum=checksum))
+        except Exception:
+            sink.discard_staging()
+            raise
         self.checksum = digest
         self.counters["loads"] += 1
+        self.counters[f"loads_{transport}"] += 1
         return digest
 
     async def _control_reply(self, msg: Msg, *, ok: bool, checksum: str | None = None,
@@ -258,42 +334,48 @@ class RollouterService(Service):
         if msg.reply:
             reply = RolloutControlReply(ok=ok, instance=self.instance, version=self.engine.version,
                                         checksum=checksum if checksum is not None else self.checksum,
-                                        in_flight=self.batcher.in_flight, error=error)
+                                        in_flight=self.batcher.in_flight, routing=self.routing, error=error)
             await msg.respond(encode(reply))
 
     async def _catch_up_loop(self) -> None:
         """Load the served version if it is ahead of ours: a sync that missed this instance (not listed, or
-        registered late) would otherwise leave it generating with old weights under a newer version."""
-        assert self.model is not None
+        registered late) or failed on it would otherwise leave it behind; once loaded it rejoins routing."""
         while not self.stopping:
             await asyncio.sleep(CATCH_UP_S)
             if self.batcher.paused:
                 continue  # paramsync is at work
-            try:
-                served = await kv_get_int(self.kv, self.names.version_key(self.model))
-            except (nats.errors.Error, TimeoutError, ValueError):
-                continue
+            served = await self._served()
             if served > self.engine.version and not self.batcher.paused:
                 self.counters["catch_ups"] += 1
                 self.log.warning("served version is ahead of this instance; loading it", served=served,
                                  have=self.engine.version)
                 await self._catch_up()
+            if self.engine.version >= served and not self.batcher.paused:
+                await self._join_routing()
+            elif self.routing and not self.batcher.paused:
+                await self._leave_routing(f"holds v{self.engine.version}, v{served} is served")
 
     async def _catch_up(self) -> None:
-        """Start on the served version if paramsync already moved the model past v0 (best effort)."""
-        assert self.model is not None
-        version = await kv_get_int(self.kv, self.names.version_key(self.model))
-        if version <= 0:
+        """Load the served version if paramsync already moved the model past ours (best effort): through the
+        transport of the last sync, then the other one."""
+        version = await self._served()
+        if version <= self.engine.version:
             return
-        try:
-            await asyncio.wait_for(self._load_object(self.names.weights_object(self.model, version),
-                                                     version=version, checksum=None),
-                                   self.cfg.paramsync.load_timeout_s)
-            self.log.info("caught up with served weights", version=version)
-        except Exception as exc:  # missing object or a bad one: v0 still serves
-            self.counters["catch_up_failures"] += 1
-            self.log.warning("could not load served weights; starting from v0", version=version,
-                             error=f"{type(exc).__name__}: {exc}")
+        order = [self._transport] + [t for t in TRANSPORTS if t != self._transport]
+        errors = []
+        for transport in order:
+            try:
+                await self._load_version(version, transport=transport, object_name=None, checksum=None,
+                                         timeout_s=self.cfg.paramsync.load_timeout_s)
+                self.log.info("caught up with served weights", version=version, transport=transport)
+                return
+            except Exception as exc:  # trainer gone, object missing, ucxx absent: try the other transport
+                errors.append(f"{transport}: {type(exc).__name__}: {exc}")
+        self.counters["catch_up_failures"] += 1
+        if self._catch_up_failed != version:  # once per version: the loop tries again every second
+            self._catch_up_failed = version
+            self.log.warning("could not load the served weights; trying again", version=version,
+                             have=self.engine.version, errors=errors)
 
 
 def _load(cfg: ChorusConfig, model: str) -> tuple[Any, Tokenizer]:

@@ -1,8 +1,10 @@
 """Trainer service: pulls micro-batches from the ready stream, accumulates gradients, steps, hands weights on.
 
 Protocol: consumes MicroBatch (msgpack) from durable ``trainer_<model>`` on the ready stream; writes
-``trained.<model>`` to KV after every step; publishes weights to the object store and WeightsAnnounce on
-``sync.<model>.announce`` at start and after every step; step/drop/done events (JSON) on ``events.trainer``.
+``trained.<model>`` to KV after every step; after every step (and at start) flattens the shipped weights
+into one bucketed buffer, hands it to the weight transport (in memory for UCX pulls, or the object store)
+and publishes WeightsAnnounce on ``sync.<model>.announce``; step/drop/done events (JSON) on
+``events.trainer``.
 """
 
 from __future__ import annotations
@@ -18,8 +20,6 @@ from typing import Any, TypeVar
 
 import nats.errors
 from nats.aio.msg import Msg
-from nats.js.api import ObjectMeta, ObjectMetaOptions
-from nats.js.errors import NotFoundError
 
 from services.trainer.grpo import micro_batch_advantages
 from services.trainer.intake import SeenIds, StepBook, filter_samples
@@ -29,14 +29,12 @@ from shared.codec import DecodeError, decode, encode
 from shared.logs import append_line
 from shared.schemas import DropEvent, MicroBatch, Sample, StepRecord, WeightsAnnounce
 from shared.service import Service
-from shared.weights import flatten, pack
+from shared.weights import WeightsHeader, flatten
+from shared.weightsync import WeightSource, make_source
 
 T = TypeVar("T")
 
-KEEP_WEIGHTS = 8  # weight objects kept in the store: paramsync may still be loading a recent one
 FETCH_TIMEOUT_S = 1.0
-PUBLISH_TIMEOUT_S = 120.0
-PUBLISH_ATTEMPTS = 3
 
 
 def _init_worker(threads: int) -> None:
@@ -56,7 +54,9 @@ class TrainerService(Service):
         self.train = self.cfg.train
         self.ckpt_dir = self.cfg.run_dir / "checkpoints" / self.model
         self.metrics_path = self.cfg.run_dir / "metrics.jsonl"
-        self.chunk_bytes = self.cfg.paramsync.chunk_kb * 1024
+        self.source: WeightSource = make_source(self.cfg, self.names, self.model, self.nc, self.js)
+        await self.source.start()
+        self.log.info("weight transport", transport=self.source.transport, bucket_mb=self.cfg.paramsync.bucket_mb)
         self.seen = SeenIds()
         self.book = StepBook()
         self.held: list[Msg] = []  # micro-batches whose gradients are accumulated, acked after the step
@@ -93,6 +93,8 @@ class TrainerService(Service):
         await self.release(getattr(self, "sub", None))
         await self.nc.flush(timeout=5)
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if hasattr(self, "source"):
+            await self.source.close()
 
     def extra_metrics(self) -> dict[str, Any]:
         learner = getattr(self, "learner", None)
@@ -101,6 +103,7 @@ class TrainerService(Service):
             "accumulated": learner.accumulated if learner else 0,
             "held_msgs": len(getattr(self, "held", [])),
             "done": getattr(self, "done", False),
+            **({"weights": dict(self.source.counters)} if hasattr(self, "source") else {}),
         }
 
     # --- loops ----------------------------------------------------------------------------
@@ -241,36 +244,19 @@ class TrainerService(Service):
         await self.event("done", model=self.model, version=self.learner.version)
 
     # --- weights --------------------------------------------------------------------------
-    def _pack(self) -> tuple[bytes, str]:
-        header, buf = flatten(self.model or "", self.learner.version, self.learner.named_tensors())
-        return pack(header, buf), header.checksum
+    def _flatten(self, out: bytearray | None) -> tuple[WeightsHeader, bytearray]:
+        return flatten(self.model or "", self.learner.version, self.learner.named_tensors(),
+                       bucket_bytes=self.source.bucket_bytes, out=out)
 
     async def _publish_weights(self) -> None:
-        """Object ``weights/<model>/v<N>`` then WeightsAnnounce; older objects beyond KEEP_WEIGHTS are deleted."""
+        """Flatten the shipped tensors into one bucketed buffer, hand it to the transport, announce it."""
         assert self.model is not None
-        version = self.learner.version
-        blob, digest = await self._torch(self._pack)
-        name = self.names.weights_object(self.model, version)
-        for attempt in range(1, PUBLISH_ATTEMPTS + 1):
-            try:
-                meta = ObjectMeta(name=name, options=ObjectMetaOptions(max_chunk_size=self.chunk_bytes))
-                await asyncio.wait_for(self.obj.put(name, blob, meta=meta), timeout=PUBLISH_TIMEOUT_S)
-                break
-            except (TimeoutError, nats.errors.Error) as exc:
-                self.counters["weights_publish_retries"] += 1
-                self.log.warning("weights upload failed", attempt=attempt, error=f"{type(exc).__name__}: {exc}")
-                if attempt == PUBLISH_ATTEMPTS:
-                    raise
-                await asyncio.sleep(0.5 * 2**attempt)
-        ann = WeightsAnnounce(model=self.model, version=version, object_name=name, checksum=digest, nbytes=len(blob))
+        header, buf = await self._torch(self._flatten, self.source.spare())
+        object_name = await self.source.publish(header, buf)
+        ann = WeightsAnnounce(model=self.model, version=header.version, transport=self.source.transport,  # type: ignore[arg-type]
+                              object_name=object_name, checksum=header.checksum, nbytes=header.nbytes)
         await self.nc.publish(self.names.sync_announce(self.model), encode(ann))
         self.counters["weights_published"] += 1
-        old = version - KEEP_WEIGHTS
-        if old >= 0:
-            try:
-                await asyncio.wait_for(self.obj.delete(self.names.weights_object(self.model, old)), timeout=30)
-            except (NotFoundError, TimeoutError, nats.errors.Error):
-                pass  # already gone, or never written by this process (restored run)
 
     # --- helpers --------------------------------------------------------------------------
     async def _torch(self, fn: Callable[..., T], *args: Any) -> T:

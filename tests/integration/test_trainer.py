@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import io
 import json
 import time
 from collections.abc import Callable
@@ -21,7 +20,8 @@ from shared.config import ChorusConfig, load_config
 from shared.schemas import Array, MicroBatch, Sample, WeightsAnnounce
 from shared.subjects import Names
 from shared.tokenizer import BOS_ID, EOS_ID
-from shared.weights import WeightsHeader, checksum, unpack
+from shared.weights import WeightsHeader, checksum
+from shared.weightsync import make_sink
 
 MODEL = "m"
 
@@ -78,12 +78,11 @@ async def wait_until(cond: Callable[[], Any], timeout: float = 20.0, what: str =
 
 
 async def fetch_object(js: Any, names: Names, ann: WeightsAnnounce) -> tuple[WeightsHeader, bytes]:
-    obj = await js.object_store(names.obj_bucket)
-    buf = io.BytesIO()
-    await obj.get(ann.object_name, writeinto=buf)
-    header, body = unpack(buf.getvalue())
+    """The announced weights, fetched the way a rollouter does (the announce names the transport)."""
+    sink = make_sink(ann.transport, names, MODEL, "test", js._nc, js)
+    header, body = await sink.fetch(ann.version, object_name=ann.object_name, timeout_s=10)
     assert header.version == ann.version and header.model == MODEL
-    assert checksum(body) == header.checksum == ann.checksum
+    assert checksum(body, header.bucket_bytes) == header.checksum == ann.checksum
     return header, bytes(body)
 
 

@@ -16,7 +16,7 @@ from shared.config import ChorusConfig
 from shared.modeling import build_model
 from shared.models import load_model, shipped_tensors
 from shared.tokenizer import BOS_ID, EOS_ID, ByteTokenizer
-from shared.weights import flatten, pack
+from shared.weights import flatten
 
 PROMPTS = [[BOS_ID, 10, 11, 12, 13], [BOS_ID, 40], [BOS_ID, 1, 2, 3, 4, 5, 6], [BOS_ID, 99, 98]]
 
@@ -101,9 +101,9 @@ def test_a_lora_engine_ships_and_loads_only_adapter_tensors(lora_engine: TorchEn
         partial.pop(next(iter(partial)))
         p_header, p_buf = flatten("m", 5, partial)
         with pytest.raises(ValueError, match="lack 1 of"):
-            load_weights(lora_engine, "m", memoryview(pack(p_header, p_buf)), version=5, checksum=None)
+            load_weights(lora_engine, "m", p_header, memoryview(p_buf), version=5, checksum=None)
         assert all(torch.equal(before[k], v) for k, v in lora_engine.named_tensors().items())
-        digest = load_weights(lora_engine, "m", memoryview(pack(header, buf)), version=5, checksum=header.checksum)
+        digest = load_weights(lora_engine, "m", header, memoryview(buf), version=5, checksum=header.checksum)
         assert digest == header.checksum and lora_engine.version == 5
         want = shipped_tensors(trained, lora=True)
         assert all(torch.equal(want[k], v) for k, v in lora_engine.named_tensors().items())

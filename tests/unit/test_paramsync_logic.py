@@ -47,11 +47,16 @@ def test_instances_are_parsed_from_registration_keys() -> None:
     assert instances_from_keys(keys, "rollouter.m.") == ["0", "1"]
 
 
-def test_version_commits_only_when_every_live_instance_loaded() -> None:
+def test_version_commits_once_every_live_instance_was_tried_and_one_loaded() -> None:
     ok = decide([InstanceResult("0", loaded=True), InstanceResult("1", loaded=True)])
     assert ok.commit and ok.loaded == ["0", "1"] and not ok.failed
-    bad = decide([InstanceResult("0", loaded=True), InstanceResult("1", loaded=False, error="checksum")])
-    assert not bad.commit and bad.failed == {"1": "checksum"}
+    # a live instance that failed every attempt is reported (and kept out of routing); the others serve
+    part = decide([InstanceResult("0", loaded=True), InstanceResult("1", loaded=False, error="checksum")])
+    assert part.commit and part.loaded == ["0"] and part.failed == {"1": "checksum"}
+    # every live instance failed: the old version keeps serving
+    none = decide([InstanceResult("0", loaded=False, error="timeout"), InstanceResult("1", loaded=False,
+                                                                                      reachable=False)])
+    assert not none.commit and set(none.failed) == {"0", "1"}
 
 
 def test_unreachable_instances_are_reported_but_do_not_block_the_version() -> None:
