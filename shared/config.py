@@ -269,7 +269,7 @@ class ParamSyncConfig(Section):
     # ucx: buckets straight from the trainer's memory into each rollouter over UCX (shared memory on one host,
     # RDMA/TCP across hosts); nats: through the JetStream object store. auto: ucx where ucxx is installed.
     transport: Literal["auto", "ucx", "nats"] = "auto"
-    bucket_mb: int = Field(default=64, ge=1, le=4096)  # bucket size: one transfer and one checksum each
+    bucket_mb: float = Field(default=64, ge=1 / 64, le=4096)  # bucket size: one transfer and one checksum each
     pause_timeout_s: float = Field(default=30.0, gt=0)
     load_timeout_s: float = Field(default=60.0, gt=0)
     load_attempts: int = Field(default=2, ge=1)  # per instance and version; a live instance failing all of them

@@ -104,7 +104,7 @@ class WeightSource(ABC):
 
     def __init__(self, cfg: ChorusConfig, names: Names, model: str) -> None:
         self.cfg, self.names, self.model = cfg, names, model
-        self.bucket_bytes = cfg.paramsync.bucket_mb * 1024 * 1024
+        self.bucket_bytes = int(cfg.paramsync.bucket_mb * 1024 * 1024)
         self.counters: dict[str, int] = {}
 
     def count(self, key: str, n: int = 1) -> None:

@@ -98,6 +98,9 @@ class ParamSyncService(Service):
             # commit, still holds the old one) serves; one that failed to load it stays out of routing and
             # loads it by itself.
             await asyncio.gather(*(self._resume(r.instance, served) for r in results if r.reachable))
+        for r in results:
+            if not r.reachable:  # its process is gone (or cut off): drop the registration it left behind
+                await self._deregister(r.instance)
         done = SyncDone(model=self.model, version=ann.version, loaded=outcome.loaded, failed=outcome.failed,
                         seconds=round(time.perf_counter() - t0, 4))
         await self.nc.publish(self.names.sync_done(self.model), encode(done))
@@ -108,6 +111,17 @@ class ParamSyncService(Service):
         self.log.info("sync done", version=ann.version, loaded=outcome.loaded, failed=outcome.failed,
                       committed=outcome.commit, seconds=done.seconds)
         return done
+
+    async def _deregister(self, instance: str) -> None:
+        """A live instance that was only cut off registers itself again (its catch-up loop checks)."""
+        assert self.model is not None
+        try:
+            await self.kv.delete(self.names.rollouter_key(self.model, instance))
+        except Exception as exc:  # broker hiccup: the next sync finds it unreachable again
+            self.log.warning("could not deregister an unreachable instance", instance=instance, error=str(exc))
+            return
+        self.counters["deregistered"] += 1
+        self.log.warning("unreachable instance deregistered", instance=instance)
 
     async def _live_instances(self) -> list[str]:
         """Registered rollouter instances; an empty listing is read again before it is believed (a KV watch

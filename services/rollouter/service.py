@@ -18,6 +18,7 @@ from typing import Any
 
 import msgpack
 import nats.errors
+import nats.js.errors
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
@@ -132,8 +133,7 @@ class RollouterService(Service):
             self.log.warning("starting out of routing: the served version could not be loaded", served=served,
                              have=self.engine.version)
         # Register last: paramsync only finds this instance once its control subjects answer.
-        await self.kv.put(self.names.rollouter_key(self.model, self.instance),
-                          json.dumps({"instance": self.instance, "started_at": self.started_at}).encode())
+        await self._register()
 
     async def teardown(self) -> None:
         assert self.model is not None
@@ -189,6 +189,24 @@ class RollouterService(Service):
         self.log.warning("out of routing", reason=reason, version=self.engine.version, failed_queued=failed)
         await self.event("routing", instance=self.instance, model=self.model, routing=False,
                          version=self.engine.version, reason=reason)
+
+    async def _register(self) -> None:
+        assert self.model is not None
+        await self.kv.put(self.names.rollouter_key(self.model, self.instance),
+                          json.dumps({"instance": self.instance, "started_at": self.started_at}).encode())
+
+    async def _check_registered(self) -> None:
+        """Paramsync drops the registration of an instance it cannot reach; one that is alive puts it back."""
+        assert self.model is not None
+        try:
+            await self.kv.get(self.names.rollouter_key(self.model, self.instance))
+        except nats.js.errors.KeyNotFoundError:
+            if not self.stopping:
+                self.counters["re_registered"] += 1
+                self.log.warning("registration was dropped (unreachable during a sync); registering again")
+                await self._register()
+        except (nats.errors.Error, TimeoutError):
+            pass
 
     async def _served(self) -> int:
         assert self.model is not None
@@ -344,6 +362,7 @@ class RollouterService(Service):
             await asyncio.sleep(CATCH_UP_S)
             if self.batcher.paused:
                 continue  # paramsync is at work
+            await self._check_registered()
             served = await self._served()
             if served > self.engine.version and not self.batcher.paused:
                 self.counters["catch_ups"] += 1
