@@ -19,7 +19,15 @@ import yaml
 
 from shared.bus import kv_get_int
 from shared.codec import decode, encode
-from shared.schemas import Array, GenRequest, GenResponse, RolloutControl, RolloutControlReply, SyncDone, WeightsPull
+from shared.schemas import (
+    Array,
+    GenRequest,
+    GenResponse,
+    RolloutControl,
+    RolloutControlReply,
+    SyncDone,
+    WeightsPull,
+)
 from shared.subjects import Names
 from shared.tokenizer import BOS_ID
 from tests.e2e.cluster import Cluster
