@@ -246,8 +246,9 @@ async def test_run_code_scores_each_top_level_assert(pool: WorkerPool):
 async def test_runaway_code_is_an_error_result_and_the_worker_lives_on(pool: WorkerPool, code: str, error: str):
     pids = pool.pids()
     t0 = time.monotonic()
-    out = await pool.run("run_code", {"code": code, "tests": ADD_TESTS, "timeout_s": 0.5}, 5)
-    assert time.monotonic() - t0 < 3
+    # 1.5 s: filling the memory limit can take over half a second where first-touch page faults are slow
+    out = await pool.run("run_code", {"code": code, "tests": ADD_TESTS, "timeout_s": 1.5}, 5)
+    assert time.monotonic() - t0 < 4
     assert out.error is None and out.result is not None
     assert out.result["passed"] is False and out.result["tests_passed"] == 0 and out.result["reward"] == 0.0
     assert out.result["error"].startswith(error)
