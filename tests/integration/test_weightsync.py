@@ -247,3 +247,58 @@ async def test_a_model_keeps_serving_while_another_syncs_and_no_answer_mixes_two
         stop.set()
         await trainer.source.close()
         await nc.close()
+
+
+async def test_an_instance_that_cannot_load_is_retried_reported_and_kept_out_of_routing_until_it_catches_up(
+        nats_url: str, run_id: str, tmp_path: Path) -> None:
+    """Instance 1 receives a corrupted bucket on every try: the real checks refuse it and nothing is written;
+    v1 is served by instance 0 alone until instance 1 loads it by itself and comes back."""
+    cfg = write_config(tmp_path, run_id, "ucx")
+    names = Names(run_id)
+    nc = await nats.connect(nats_url)
+    trainer = Trainer(cfg, nc, "m", "ucx")
+    await trainer.source.start()
+    corrupt = {"on": True, "count": 0}
+    try:
+        async with services(cfg, nats_url, instances=2) as svcs:
+            r0, r1, ps = svcs["m"]
+            sink = r1._sink("ucx")
+            real_fetch = sink.fetch
+
+            async def flaky_fetch(version: int, **kw: Any) -> Any:
+                header, body = await real_fetch(version, **kw)
+                if corrupt["on"]:
+                    corrupt["count"] += 1
+                    body[len(body) // 2] ^= 0x01  # one bit of one bucket, as a broken transfer would leave it
+                return header, body
+
+            sink.fetch = flaky_fetch  # type: ignore[method-assign]
+            v0 = {k: v.clone() for k, v in r1.engine.named_tensors().items()}
+            done_sub = await nc.subscribe(names.sync_done("m"))
+            named = version_weights(cfg, "m", 1)
+            await trainer.publish(1, named)
+            done = decode(SyncDone, (await done_sub.next_msg(timeout=30)).data)
+            assert done.loaded == ["0"] and list(done.failed) == ["1"] and "bucket" in done.failed["1"]
+            assert corrupt["count"] >= cfg.paramsync.load_attempts == 2  # retried, then given up (and catch-ups)
+            assert ps.counters["load_retries"] == 1 and ps.counters["load_gave_up"] == 1
+            kv = await nc.jetstream().key_value(names.kv_bucket)
+            assert await kv_get_int(kv, names.version_key("m")) == 1
+            # nothing of the refused transfers was written; out of routing; the live instance answers, on v1
+            assert r1.engine.version == 0 and all(torch.equal(v0[k], v) for k, v in r1.engine.named_tensors().items())
+            assert not r1.routing and r0.routing
+            for i in range(6):
+                resp = await generate(nc, names, "m", f"r{i}")
+                assert resp.instance == "0" and resp.version == 1
+            # the fault clears: instance 1 loads the served version by itself and comes back
+            corrupt["on"] = False
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline and not (r1.routing and r1.engine.version == 1):
+                await asyncio.sleep(0.1)
+            assert r1.routing and r1.engine.version == 1 and r1.counters["catch_ups"] >= 1
+            got = r1.engine.named_tensors()
+            assert all(torch.equal(got[k], named[k]) for k in named)
+            answered = {(await generate(nc, names, "m", f"s{i}")).instance for i in range(12)}
+            assert answered == {"0", "1"}
+    finally:
+        await trainer.source.close()
+        await nc.close()
