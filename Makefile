@@ -36,6 +36,7 @@ lint: venv
 bench: venv
 	$(BIN)/python loadtests/bus_throughput.py
 	$(BIN)/python loadtests/bench_pipeline.py
+	$(BIN)/python loadtests/bench_weightsync.py
 
 plot: venv
 	$(BIN)/chorus plot $$(ls -d runs/*/ | tail -n 1)

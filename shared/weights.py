@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import msgpack
+import numpy as np
 import xxhash
 
 if TYPE_CHECKING:
@@ -24,6 +25,16 @@ if TYPE_CHECKING:
 
 _LEN = struct.Struct("<Q")
 DEFAULT_BUCKET_BYTES = 64 * 1024 * 1024
+
+# A flat weight buffer: a 1-d uint8 numpy array. numpy asks the kernel for transparent huge pages on large
+# allocations, which halves the cost of UCX's cross-memory attach (fewer pages to pin: 2.47 GB moved at 10-14
+# GB/s from numpy arrays against 4-7 GB/s from bytearrays here) and of first-touch page faults.
+Buffer = np.ndarray
+
+
+def alloc(nbytes: int) -> Buffer:
+    """An uninitialised flat buffer of ``nbytes``."""
+    return np.empty(nbytes, dtype=np.uint8)
 
 
 @dataclass(frozen=True)
@@ -83,7 +94,7 @@ def bucket_spans(nbytes: int, bucket_bytes: int) -> list[tuple[int, int]]:
     return [(off, min(bucket_bytes, nbytes - off)) for off in range(0, nbytes, bucket_bytes)]
 
 
-def bucket_checksum(buf: bytes | bytearray | memoryview) -> str:
+def bucket_checksum(buf: bytes | bytearray | memoryview | Buffer) -> str:
     return xxhash.xxh3_128_hexdigest(buf)
 
 
@@ -92,13 +103,13 @@ def combine(bucket_checksums: list[str]) -> str:
     return xxhash.xxh3_128_hexdigest("".join(bucket_checksums).encode())
 
 
-def checksum(buf: bytes | bytearray | memoryview, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> str:
+def checksum(buf: bytes | bytearray | memoryview | Buffer, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> str:
     """The checksum of a flat buffer cut into buckets of ``bucket_bytes``."""
     view = memoryview(buf).cast("B")
     return combine([bucket_checksum(view[o:o + n]) for o, n in bucket_spans(len(view), bucket_bytes)])
 
 
-def verify_bucket(header: WeightsHeader, index: int, data: bytes | bytearray | memoryview) -> None:
+def verify_bucket(header: WeightsHeader, index: int, data: bytes | bytearray | memoryview | Buffer) -> None:
     got = bucket_checksum(data)
     if got != header.bucket_checksums[index]:
         raise ValueError(f"weights of {header.model} v{header.version}: bucket {index} checksum {got} != "
@@ -125,7 +136,7 @@ def layout(named: dict[str, torch.Tensor]) -> tuple[list[TensorSlot], int]:
 
 
 def flatten(model: str, version: int, named: dict[str, torch.Tensor], *,
-            bucket_bytes: int = DEFAULT_BUCKET_BYTES, out: bytearray | None = None) -> tuple[WeightsHeader, bytearray]:
+            bucket_bytes: int = DEFAULT_BUCKET_BYTES, out: Buffer | None = None) -> tuple[WeightsHeader, Buffer]:
     """Copy every tensor into one contiguous buffer (one copy, no per-tensor messages) and checksum its buckets.
 
     ``out``, when at least as large as the tensors, is reused (a fresh multi-GB buffer costs page faults
@@ -137,8 +148,8 @@ def flatten(model: str, version: int, named: dict[str, torch.Tensor], *,
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     slots, total = layout(named)
-    buf = out if out is not None and len(out) >= total else bytearray(total)
-    flat = torch.frombuffer(buf, dtype=torch.uint8) if len(buf) else torch.empty(0, dtype=torch.uint8)
+    buf = out if out is not None and len(out) >= total else alloc(total)
+    flat = torch.from_numpy(buf) if len(buf) else torch.empty(0, dtype=torch.uint8)
     with torch.no_grad():
         end = 0
         for slot, t in zip(slots, named.values(), strict=True):
@@ -151,13 +162,18 @@ def flatten(model: str, version: int, named: dict[str, torch.Tensor], *,
     return WeightsHeader(model, version, slots, total, combine(sums), bucket_bytes, sums), buf
 
 
-def pack(header: WeightsHeader, buf: bytes | bytearray | memoryview) -> bytes:
-    """Header + buffer as one object (for the NATS object store transport)."""
+def head(header: WeightsHeader) -> bytes:
+    """What precedes the buffer in the object layout: the header's length and the header."""
     h = header.pack()
-    return _LEN.pack(len(h)) + h + bytes(memoryview(buf)[: header.nbytes])
+    return _LEN.pack(len(h)) + h
 
 
-def unpack(blob: bytes | bytearray | memoryview) -> tuple[WeightsHeader, memoryview]:
+def pack(header: WeightsHeader, buf: bytes | bytearray | memoryview | Buffer) -> bytes:
+    """Header + buffer as one object (for the NATS object store transport)."""
+    return head(header) + bytes(memoryview(buf)[: header.nbytes])
+
+
+def unpack(blob: bytes | bytearray | memoryview | Buffer) -> tuple[WeightsHeader, memoryview]:
     view = memoryview(blob)
     if len(view) < _LEN.size:
         raise ValueError(f"weights object of {len(view)} bytes has no header")
@@ -171,7 +187,7 @@ def unpack(blob: bytes | bytearray | memoryview) -> tuple[WeightsHeader, memoryv
     return header, body
 
 
-def load_into(named: dict[str, torch.Tensor], header: WeightsHeader, body: bytes | bytearray | memoryview,
+def load_into(named: dict[str, torch.Tensor], header: WeightsHeader, body: bytes | bytearray | memoryview | Buffer,
               *, verify: bool = True) -> str:
     """Write the buffer straight into existing tensors (in place); returns the checksum of what was loaded.
 

@@ -7,8 +7,8 @@ One interface, two implementations, chosen by ``paramsync.transport``:
   staging buffer, then asks the trainer to send (one more NATS request); the trainer sends every bucket with
   tagged sends on an endpoint created from the rollouter's worker address, and UCX moves the bytes (shared
   memory / cross-memory attach on one host, RDMA or TCP across hosts). The endpoint is created with error
-  handling off: with it on, UCX drops to its TCP transport (about 0.9 GB/s here against 7-15 GB/s), so
-  every wait has its own timeout instead.
+  handling off: with it on, UCX drops to its TCP transport (about 0.9 GB/s on loopback here, against 4-15
+  GB/s through cross-memory attach, depending on load), so every wait has its own timeout instead.
 - ``nats``: the trainer puts ``[header][flat buffer]`` in the JetStream object store and a rollouter reads it
   with a pull consumer into its staging buffer. Needs nothing but the broker; slower, and the weights of
   recent versions outlive the trainer.
@@ -34,15 +34,14 @@ import structlog
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import ObjectMeta, ObjectMetaOptions
 from nats.js.errors import NotFoundError
 
-from shared.bus import read_object
+from shared.bus import read_object, write_object
 from shared.codec import DecodeError, decode, encode
 from shared.config import ChorusConfig
 from shared.schemas import WeightsMetaRequest, WeightsPull, WeightsReply
 from shared.subjects import Names
-from shared.weights import WeightsHeader, pack, unpack
+from shared.weights import Buffer, WeightsHeader, alloc, head, unpack
 
 log = structlog.get_logger("weightsync")
 
@@ -90,7 +89,7 @@ def _ucxx() -> Any:
 @dataclass
 class Held:
     header: WeightsHeader
-    buf: bytearray
+    buf: Buffer
     pulls: int = 0  # sends in progress from this buffer
 
 
@@ -113,12 +112,12 @@ class WeightSource(ABC):
     async def start(self) -> None:  # noqa: B027 - optional hook
         pass
 
-    def spare(self) -> bytearray | None:
+    def spare(self) -> Buffer | None:
         """A buffer no longer needed, to flatten the next version into (None: allocate)."""
         return None
 
     @abstractmethod
-    async def publish(self, header: WeightsHeader, buf: bytearray) -> str | None:
+    async def publish(self, header: WeightsHeader, buf: Buffer) -> str | None:
         """Make ``header``'s version available; returns the object name (transport nats) or None."""
 
     async def close(self) -> None:  # noqa: B027 - optional hook
@@ -135,20 +134,20 @@ class NatsSource(WeightSource):
         super().__init__(cfg, names, model)
         self.js = js
         self.chunk_bytes = cfg.paramsync.chunk_kb * 1024
-        self._spare: bytearray | None = None
+        self._spare: Buffer | None = None
 
-    def spare(self) -> bytearray | None:
+    def spare(self) -> Buffer | None:
         return self._spare
 
-    async def publish(self, header: WeightsHeader, buf: bytearray) -> str:
+    async def publish(self, header: WeightsHeader, buf: Buffer) -> str:
         store = await self.js.object_store(self.names.obj_bucket)
         name = self.names.weights_object(self.model, header.version)
-        blob = pack(header, buf)
-        self._spare = buf  # the object holds its own copy
+        parts = [head(header), memoryview(buf)[: header.nbytes]]  # the object is [header][buffer]; no join
         for attempt in range(1, PUT_ATTEMPTS + 1):
             try:
-                meta = ObjectMeta(name=name, options=ObjectMetaOptions(max_chunk_size=self.chunk_bytes))
-                await asyncio.wait_for(store.put(name, blob, meta=meta), timeout=PUT_TIMEOUT_S)
+                await write_object(self.js, self.names.obj_bucket, name, parts, chunk_bytes=self.chunk_bytes,
+                                   timeout_s=PUT_TIMEOUT_S)
+                self._spare = buf  # the object store holds its own copy now
                 break
             except (TimeoutError, nats.errors.Error) as exc:
                 self.count("weights_publish_retries")
@@ -175,7 +174,7 @@ class UcxSource(WeightSource):
         self.keep = cfg.paramsync.keep_versions
         self.send_timeout_s = cfg.paramsync.load_timeout_s
         self.held: OrderedDict[int, Held] = OrderedDict()
-        self._free: list[bytearray] = []
+        self._free: list[Buffer] = []
         self._endpoints: dict[bytes, Any] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._subs: list[Any] = []
@@ -185,10 +184,10 @@ class UcxSource(WeightSource):
         self._subs = [await self.nc.subscribe(self.names.weights_meta(self.model), cb=self._on_meta),
                       await self.nc.subscribe(self.names.weights_pull(self.model), cb=self._on_pull)]
 
-    def spare(self) -> bytearray | None:
+    def spare(self) -> Buffer | None:
         return self._free.pop() if self._free else None
 
-    async def publish(self, header: WeightsHeader, buf: bytearray) -> None:
+    async def publish(self, header: WeightsHeader, buf: Buffer) -> None:
         self.held[header.version] = Held(header, buf)
         while len(self.held) > self.keep:
             version, old = next(iter(self.held.items()))
@@ -294,11 +293,11 @@ class WeightSink(ABC):
 
     def __init__(self, names: Names, model: str, instance: str) -> None:
         self.names, self.model, self.instance = names, model, instance
-        self._staging: bytearray | None = None
+        self._staging: Buffer | None = None
 
-    def staging(self, nbytes: int) -> bytearray:
+    def staging(self, nbytes: int) -> Buffer:
         if self._staging is None or len(self._staging) < nbytes:
-            self._staging = bytearray(nbytes)
+            self._staging = alloc(nbytes)
         return self._staging
 
     def discard_staging(self) -> None:
@@ -325,8 +324,9 @@ class NatsSink(WeightSink):
                                                                                                  memoryview]:
         name = object_name or self.names.weights_object(self.model, version)
         try:
+            # the buckets carry XXH3 checksums, checked before loading: the object's SHA-256 would be a second pass
             blob = await read_object(self.js, self.names.obj_bucket, name, timeout_s=timeout_s,
-                                     into=self._staging)
+                                     into=self._staging, verify_digest=False)
         except BaseException:
             self.discard_staging()
             raise

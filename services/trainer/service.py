@@ -29,7 +29,7 @@ from shared.codec import DecodeError, decode, encode
 from shared.logs import append_line
 from shared.schemas import DropEvent, MicroBatch, Sample, StepRecord, WeightsAnnounce
 from shared.service import Service
-from shared.weights import WeightsHeader, flatten
+from shared.weights import Buffer, WeightsHeader, flatten
 from shared.weightsync import WeightSource, make_source
 
 T = TypeVar("T")
@@ -244,7 +244,7 @@ class TrainerService(Service):
         await self.event("done", model=self.model, version=self.learner.version)
 
     # --- weights --------------------------------------------------------------------------
-    def _flatten(self, out: bytearray | None) -> tuple[WeightsHeader, bytearray]:
+    def _flatten(self, out: Buffer | None) -> tuple[WeightsHeader, Buffer]:
         return flatten(self.model or "", self.learner.version, self.learner.named_tensors(),
                        bucket_bytes=self.source.bucket_bytes, out=out)
 

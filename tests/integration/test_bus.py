@@ -8,7 +8,7 @@ import nats
 import pytest
 from nats.js.api import ObjectMeta, ObjectMetaOptions
 
-from shared.bus import read_object
+from shared.bus import read_object, write_object
 
 
 @pytest.mark.parametrize(("size", "chunk"), [(0, 1024), (5, 1024), (4096, 1024), (3 * 1024 * 1024 + 7, 128 * 1024),
@@ -26,5 +26,45 @@ async def test_read_object_returns_exactly_what_was_put(nats_url: str, run_id: s
         assert await read_object(js, f"b{run_id}", "w") == data[::-1]
         with pytest.raises(nats.js.errors.ObjectNotFoundError):
             await read_object(js, f"b{run_id}", "missing")
+    finally:
+        await nc.close()
+
+
+@pytest.mark.parametrize(("sizes", "chunk"), [((0,), 1024), ((13, 0, 5000), 1024), ((40, 3 * 1024 * 1024 + 7), 128 * 1024)])
+async def test_write_object_puts_its_parts_as_one_object_any_client_reads(nats_url: str, run_id: str,
+                                                                          sizes: tuple[int, ...], chunk: int) -> None:
+    nc = await nats.connect(nats_url)
+    try:
+        js = nc.jetstream()
+        bucket = f"b{run_id}"
+        store = await js.create_object_store(bucket)
+        parts = [os.urandom(n) for n in sizes]
+        whole = b"".join(parts)
+        assert await write_object(js, bucket, "w", [memoryview(p) for p in parts], chunk_bytes=chunk) == len(whole)
+        assert await read_object(js, bucket, "w") == whole  # digest checked
+        assert (await store.get("w")).data == whole  # nats-py's own reader agrees, digest included
+        # writing the name again replaces the object and purges the old chunks
+        await write_object(js, bucket, "w", [whole[::-1]], chunk_bytes=chunk)
+        assert await read_object(js, bucket, "w") == whole[::-1]
+        info = await store.get_info("w")
+        assert info.chunks == -(-len(whole) // chunk)
+        assert (await js.stream_info(f"OBJ_{bucket}")).state.messages == info.chunks + 1  # + the meta message
+    finally:
+        await nc.close()
+
+
+async def test_an_object_larger_than_a_clients_pending_limit_is_read_whole(nats_url: str, run_id: str) -> None:
+    """96 MB in 512 KB chunks: pulls are sized in bytes, so nats-server never cuts the reader off as slow."""
+    nc = await nats.connect(nats_url)
+    try:
+        js = nc.jetstream()
+        bucket = f"b{run_id}"
+        await js.create_object_store(bucket)
+        data = os.urandom(96 * 1024 * 1024)
+        await write_object(js, bucket, "big", [data], chunk_bytes=512 * 1024)
+        into = bytearray(len(data) + 10)
+        got = await read_object(js, bucket, "big", timeout_s=60, into=into, verify_digest=False)
+        assert got.obj is into and got == data
+        await js.delete_object_store(bucket)
     finally:
         await nc.close()
