@@ -117,6 +117,8 @@ class RollouterService(Service):
         self._catch_up_failed = -1
         self._gen_subs: list[Subscription] = []
         self._transport = resolve_transport(self.cfg)  # until paramsync names the trainer's
+        if self._transport == "ucx":
+            self._sink("ucx")  # start UCX now (it loads libraries and a progress thread), not in the first sync
         await self._catch_up()
         self.spawn(self.batcher.run(), "batcher")
         self._last_control = time.monotonic()
