@@ -203,20 +203,28 @@ class UcxSource(WeightSource):
             with contextlib.suppress(nats.errors.Error):
                 await msg.respond(encode(reply))
 
-    async def _on_meta(self, msg: Msg) -> None:
+    async def _requested(self, msg: Msg, schema: type, misses: str) -> tuple[Any, Held] | None:
+        """Decode a meta or pull request and find the version it names; a bad or unanswerable one is
+        counted and answered here."""
         try:
-            req = decode(WeightsMetaRequest, msg.data)
+            req = decode(schema, msg.data)
         except DecodeError as exc:
             self.count("bad_weight_requests")
             await self._reply(msg, WeightsReply(ok=False, error=f"rejected: {exc.reason}"))
-            return
+            return None
         held = self.held.get(req.version)
         if held is None or req.model != self.model:
-            self.count("meta_misses")
+            self.count(misses)
             await self._reply(msg, WeightsReply(ok=False, held=list(self.held), error=(
                 f"{req.model} v{req.version} is not held by this trainer of {self.model} (holds {list(self.held)})")))
-            return
-        await self._reply(msg, WeightsReply(ok=True, header=held.header.pack(), held=list(self.held)))
+            return None
+        return req, held
+
+    async def _on_meta(self, msg: Msg) -> None:
+        found = await self._requested(msg, WeightsMetaRequest, "meta_misses")
+        if found is not None:
+            held = found[1]
+            await self._reply(msg, WeightsReply(ok=True, header=held.header.pack(), held=list(self.held)))
 
     async def _on_pull(self, msg: Msg) -> None:
         # Callbacks of one subscription run one after another: several instances pull at once in tasks.
@@ -225,18 +233,10 @@ class UcxSource(WeightSource):
         task.add_done_callback(self._tasks.discard)
 
     async def _serve_pull(self, msg: Msg) -> None:
-        try:
-            req = decode(WeightsPull, msg.data)
-        except DecodeError as exc:
-            self.count("bad_weight_requests")
-            await self._reply(msg, WeightsReply(ok=False, error=f"rejected: {exc.reason}"))
+        found = await self._requested(msg, WeightsPull, "pull_misses")
+        if found is None:
             return
-        held = self.held.get(req.version)
-        if held is None or req.model != self.model:
-            self.count("pull_misses")
-            await self._reply(msg, WeightsReply(ok=False, held=list(self.held),
-                                                error=f"v{req.version} is not held (holds {list(self.held)})"))
-            return
+        req, held = found
         t0 = time.perf_counter()
         held.pulls += 1
         ep = None

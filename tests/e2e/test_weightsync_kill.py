@@ -40,13 +40,14 @@ VICTIM = "2"
 def write_config(tmp_path: Path, run_id: str) -> Path:
     cfg = {
         "run": {"id": run_id, "dir": str(tmp_path / "runs")},
-        # about 6 MB of float32 weights: six 1 MB buckets per transfer
-        "models": {MODEL: {"arch": {"hidden_size": 256, "num_layers": 2, "num_heads": 4, "intermediate_size": 512,
+        # about 67 MB of float32 weights in 4 MB buckets: a transfer lasts long enough (tens of ms) for the
+        # victim to be frozen in the middle of it
+        "models": {MODEL: {"arch": {"hidden_size": 512, "num_layers": 4, "num_heads": 8, "intermediate_size": 2048,
                                     "max_position": 64}, "optim": {"lr": 0.01}, "rollouter": {"batch_window_ms": 1}}},
         "agents": {"solver": {"model": MODEL}, "verifier": {"model": MODEL}},
         "workflow": {"group_size": 4},
         "train": {"global_batch": 8, "micro_batch": 4, "max_staleness": 0, "checkpoint_every": 0, "ack_wait_s": 30},
-        "paramsync": {"transport": "ucx", "bucket_mb": 1, "pause_timeout_s": 3, "load_timeout_s": 4},
+        "paramsync": {"transport": "ucx", "bucket_mb": 4, "pause_timeout_s": 3, "load_timeout_s": 4},
         "metrics_interval_s": 0.3,
     }
     path = tmp_path / "run.yaml"
