@@ -103,10 +103,15 @@ def combine(bucket_checksums: list[str]) -> str:
     return xxhash.xxh3_128_hexdigest("".join(bucket_checksums).encode())
 
 
+def bucket_checksums(buf: bytes | bytearray | memoryview | Buffer, nbytes: int, bucket_bytes: int) -> list[str]:
+    """The digest of every bucket of the first ``nbytes`` of a flat buffer."""
+    view = memoryview(buf).cast("B")
+    return [bucket_checksum(view[o:o + n]) for o, n in bucket_spans(nbytes, bucket_bytes)]
+
+
 def checksum(buf: bytes | bytearray | memoryview | Buffer, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> str:
     """The checksum of a flat buffer cut into buckets of ``bucket_bytes``."""
-    view = memoryview(buf).cast("B")
-    return combine([bucket_checksum(view[o:o + n]) for o, n in bucket_spans(len(view), bucket_bytes)])
+    return combine(bucket_checksums(buf, len(memoryview(buf).cast("B")), bucket_bytes))
 
 
 def verify_bucket(header: WeightsHeader, index: int, data: bytes | bytearray | memoryview | Buffer) -> None:
@@ -157,8 +162,7 @@ def flatten(model: str, version: int, named: dict[str, torch.Tensor], *,
             end = slot.offset + slot.nbytes
             src = t.detach().contiguous().reshape(-1).view(torch.uint8)
             flat[slot.offset : slot.offset + slot.nbytes].copy_(src)
-    view = memoryview(buf)
-    sums = [bucket_checksum(view[o:o + n]) for o, n in bucket_spans(total, bucket_bytes)]
+    sums = bucket_checksums(buf, total, bucket_bytes)
     return WeightsHeader(model, version, slots, total, combine(sums), bucket_bytes, sums), buf
 
 
