@@ -140,7 +140,6 @@ class NatsSource(WeightSource):
         return self._spare
 
     async def publish(self, header: WeightsHeader, buf: Buffer) -> str:
-        store = await self.js.object_store(self.names.obj_bucket)
         name = self.names.weights_object(self.model, header.version)
         parts = [head(header), memoryview(buf)[: header.nbytes]]  # the object is [header][buffer]; no join
         for attempt in range(1, PUT_ATTEMPTS + 1):
@@ -159,6 +158,7 @@ class NatsSource(WeightSource):
         old = header.version - self.KEEP
         if old >= 0:
             with contextlib.suppress(NotFoundError, TimeoutError, nats.errors.Error):
+                store = await self.js.object_store(self.names.obj_bucket)
                 await asyncio.wait_for(store.delete(self.names.weights_object(self.model, old)), timeout=30)
         return name
 
