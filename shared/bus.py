@@ -29,7 +29,11 @@ DEDUP_WINDOW_S = 120.0
 
 
 async def connect(url: str, name: str, *, timeout_s: float = 5.0) -> NATS:
-    """Connect with unlimited reconnects; connection problems are logged, not raised later."""
+    """Connect with unlimited reconnects; connection problems are logged, not raised later.
+
+    ``url`` may name several servers of a cluster, comma-separated; the client also learns the others from the
+    server it reaches and reconnects to a surviving one when its server goes.
+    """
 
     async def on_error(exc: Exception) -> None:
         log.warning("nats error", error=str(exc), client=name)
@@ -41,7 +45,7 @@ async def connect(url: str, name: str, *, timeout_s: float = 5.0) -> NATS:
         log.info("nats reconnected", client=name)
 
     return await nats.connect(
-        servers=[url],
+        servers=[u.strip() for u in url.split(",") if u.strip()],
         name=name,
         connect_timeout=timeout_s,
         max_reconnect_attempts=-1,
@@ -61,30 +65,46 @@ async def ensure_stream(js: JetStreamContext, config: jsapi.StreamConfig) -> jsa
         return await js.update_stream(config=config)
 
 
-async def ensure_kv(js: JetStreamContext, bucket: str, history: int = 1) -> KeyValue:
+async def ensure_kv(js: JetStreamContext, bucket: str, history: int = 1, replicas: int = 1) -> KeyValue:
     try:
         return await js.key_value(bucket)
     except (BucketNotFoundError, NotFoundError):
         try:
-            return await js.create_key_value(bucket=bucket, history=history)
+            return await js.create_key_value(bucket=bucket, history=history, replicas=replicas)
         except BadRequestError:  # created concurrently by another service
             return await js.key_value(bucket)
 
 
-async def ensure_obj(js: JetStreamContext, bucket: str) -> ObjectStore:
+async def ensure_obj(js: JetStreamContext, bucket: str, replicas: int = 1) -> ObjectStore:
     try:
         return await js.object_store(bucket)
     except (BucketNotFoundError, NotFoundError):
         try:
-            return await js.create_object_store(bucket=bucket)
+            return await js.create_object_store(bucket=bucket, config=jsapi.ObjectStoreConfig(replicas=replicas))
         except BadRequestError:
             return await js.object_store(bucket)
 
 
 async def ensure_run(js: JetStreamContext, cfg: ChorusConfig) -> tuple[KeyValue, ObjectStore]:
-    """Idempotently create every stream, the KV bucket and the object store of a run."""
+    """Idempotently create every stream, the KV bucket and the object store of a run, each with
+    ``nats.replicas`` copies."""
     names = Names(cfg.run.id)
     max_bytes = cfg.nats.max_payload_mb * 1024 * 1024
+    replicas = cfg.nats.replicas
+    await ensure_stream(
+        js,
+        jsapi.StreamConfig(
+            name=names.events_stream(),
+            subjects=[names.events_all()],
+            retention=jsapi.RetentionPolicy.LIMITS,
+            storage=jsapi.StorageType.FILE,
+            max_bytes=cfg.nats.events_max_mb * 1024 * 1024,
+            discard=jsapi.DiscardPolicy.OLD,
+            duplicate_window=DEDUP_WINDOW_S,
+            max_msg_size=max_bytes,
+            num_replicas=replicas,
+        ),
+    )
     for model in cfg.models:
         await ensure_stream(
             js,
@@ -97,6 +117,7 @@ async def ensure_run(js: JetStreamContext, cfg: ChorusConfig) -> tuple[KeyValue,
                 discard=jsapi.DiscardPolicy.NEW,
                 duplicate_window=DEDUP_WINDOW_S,
                 max_msg_size=max_bytes,
+                num_replicas=replicas,
             ),
         )
         await ensure_stream(
@@ -110,11 +131,44 @@ async def ensure_run(js: JetStreamContext, cfg: ChorusConfig) -> tuple[KeyValue,
                 discard=jsapi.DiscardPolicy.NEW,
                 duplicate_window=DEDUP_WINDOW_S,
                 max_msg_size=max_bytes,
+                num_replicas=replicas,
             ),
         )
-    kv = await ensure_kv(js, names.kv_bucket)
-    obj = await ensure_obj(js, names.obj_bucket)
+    kv = await ensure_kv(js, names.kv_bucket, replicas=replicas)
+    obj = await ensure_obj(js, names.obj_bucket, replicas=replicas)
     return kv, obj
+
+
+async def run_consumers(js: JetStreamContext, names: Names, models: list[str]) -> dict[str, int]:
+    """Consumers on every stream of a run, by stream (a stream not created yet counts 0)."""
+    out: dict[str, int] = {}
+    for stream in names.streams(models):
+        try:
+            out[stream] = (await js.stream_info(stream)).state.consumer_count
+        except NotFoundError:
+            out[stream] = 0
+    return out
+
+
+async def kv_keys(js: JetStreamContext, bucket: str, prefix: str) -> list[str]:
+    """Live keys of a KV bucket under ``prefix``, sorted, read without a watch.
+
+    A KV watch (and ``KeyValue.keys``) creates a consumer that outlives the call by minutes on the server;
+    a listing done at every weight sync would pile up consumers until the server refuses new ones. This asks
+    the stream which key subjects hold messages and reads the last of each (a deleted key's is a tombstone).
+    """
+    kv_prefix = f"$KV.{bucket}."
+    info = await js.stream_info(f"KV_{bucket}", subjects_filter=f"{kv_prefix}{prefix}>")
+    kv = await js.key_value(bucket)
+    keys: list[str] = []
+    for subject in sorted(info.state.subjects or {}):
+        key = subject[len(kv_prefix):]
+        try:
+            await kv.get(key)
+        except KeyNotFoundError:  # deleted or purged (KeyDeletedError is a KeyNotFoundError)
+            continue
+        keys.append(key)
+    return keys
 
 
 async def pull_consumer(
@@ -206,10 +260,13 @@ async def read_object(js: JetStreamContext, bucket: str, name: str, *, timeout_s
     view = memoryview(buf).cast("B")
     if size == 0:
         return view[:0]
+    stream = f"OBJ_{bucket}"
+    # A named consumer, deleted when the read ends; the inactivity threshold only covers a reader that dies.
+    consumer = f"read_{js._nc._nuid.next().decode()}"  # noqa: SLF001 - the client's own nuid source
     sub = await js.pull_subscribe(
-        f"$O.{bucket}.C.{info.nuid}", stream=f"OBJ_{bucket}",
-        config=jsapi.ConsumerConfig(ack_policy=jsapi.AckPolicy.NONE, deliver_policy=jsapi.DeliverPolicy.ALL,
-                                    inactive_threshold=max(5.0, timeout_s)),
+        f"$O.{bucket}.C.{info.nuid}", stream=stream,
+        config=jsapi.ConsumerConfig(name=consumer, ack_policy=jsapi.AckPolicy.NONE,
+                                    deliver_policy=jsapi.DeliverPolicy.ALL, inactive_threshold=max(5.0, timeout_s)),
     )
     digest = hashlib.sha256()
     offset = chunks = 0
@@ -232,6 +289,8 @@ async def read_object(js: JetStreamContext, bucket: str, name: str, *, timeout_s
     finally:
         with contextlib.suppress(nats.errors.Error, TimeoutError):
             await sub.unsubscribe()
+        with contextlib.suppress(nats.errors.Error, TimeoutError):
+            await js.delete_consumer(stream, consumer)
     expected = (info.digest or "").split("=", 1)[-1]
     if offset != size or (verify_digest and base64.urlsafe_b64encode(digest.digest()).decode() != expected):
         raise ValueError(f"object {name!r}: read {offset} of {size} bytes, or its digest does not match")
@@ -291,3 +350,29 @@ async def write_object(js: JetStreamContext, bucket: str, name: str, parts: list
         with contextlib.suppress(nats.errors.Error, TimeoutError):
             await js.purge_stream(stream, subject=f"$O.{bucket}.C.{previous.nuid}")
     return size
+
+
+async def object_names(js: JetStreamContext, bucket: str) -> list[str]:
+    """Names of the objects in a bucket, read without a watch (``ObjectStore.list`` creates a consumer)."""
+    meta = f"$O.{bucket}.M."
+    info = await js.stream_info(f"OBJ_{bucket}", subjects_filter=f"{meta}>")
+    names = []
+    for subject in sorted(info.state.subjects or {}):
+        with contextlib.suppress(ValueError):
+            names.append(base64.urlsafe_b64decode(subject[len(meta):].encode()).decode())
+    return names
+
+
+async def delete_object(js: JetStreamContext, bucket: str, name: str) -> bool:
+    """Remove an object entirely: its chunks and its meta message (``ObjectStore.delete`` leaves a meta tombstone
+    per name, and names that carry a version would pile one up per version). False if there was none."""
+    store = await js.object_store(bucket)
+    try:
+        info = await store.get_info(name)
+    except NotFoundError:
+        return False
+    stream = f"OBJ_{bucket}"
+    if info.nuid:
+        await js.purge_stream(stream, subject=f"$O.{bucket}.C.{info.nuid}")
+    await js.purge_stream(stream, subject=f"$O.{bucket}.M.{base64.urlsafe_b64encode(name.encode()).decode()}")
+    return True

@@ -163,7 +163,7 @@ async def _mq_metrics(nc: Any, names: Names, answers: list[dict[str, Any]]) -> d
 
     async def ask(model: str, instance: str) -> tuple[str, Any]:
         try:
-            msg = await nc.request(f"{names.control('mq', 'status')}.{model}.{instance}", b"", timeout=2.0)
+            msg = await nc.request(names.status("mq", model, instance), b"", timeout=2.0)
             return model, decode_json(msg.data)
         except (nats.errors.Error, TimeoutError, DecodeError):
             return model, None  # gone since the ping: the table shows what did answer

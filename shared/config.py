@@ -31,6 +31,11 @@ class RunSection(Section):
     id: str = "run"
     dir: Path = Path("runs")
     seed: int = 0
+    # `chorus up` restarts a service that exits unexpectedly, after restart_delay_s; one that exits more than
+    # max_restarts times within restart_window_s stops the run (a crash loop, not a passing fault).
+    max_restarts: int = Field(default=5, ge=0)
+    restart_window_s: float = Field(default=300.0, gt=0)
+    restart_delay_s: float = Field(default=1.0, ge=0)
 
     @field_validator("id")
     @classmethod
@@ -39,9 +44,29 @@ class RunSection(Section):
 
 
 class NatsSection(Section):
-    url: str | None = None  # None: `chorus up` starts an embedded nats-server
+    # None: `chorus up` starts an embedded nats-server. Several servers of a cluster: comma-separated; the
+    # client also learns the cluster's other servers from the one it reaches, and reconnects to a survivor.
+    url: str | None = None
     max_payload_mb: int = Field(default=8, ge=1, le=64)
     connect_timeout_s: float = 5.0
+    # Copies of every stream, KV bucket and object store Chorus creates: 3 on a three-node cluster survives the
+    # loss of any one node; 1 on a single server (more needs a cluster with at least that many nodes).
+    replicas: int = Field(default=1, ge=1, le=5)
+    events_max_mb: int = Field(default=256, ge=1)  # the events stream keeps the newest events up to this size
+
+    @property
+    def servers(self) -> list[str]:
+        """The server URLs of ``url``."""
+        return [u.strip() for u in (self.url or "").split(",") if u.strip()]
+
+
+class PeersSection(Section):
+    """How a service tells a dead or frozen peer from a slow one while it waits on it."""
+
+    probe_interval_s: float = Field(default=1.0, gt=0)  # a peer with requests outstanding is probed this often
+    probe_timeout_s: float = Field(default=2.0, gt=0)  # a probe unanswered this long is a miss
+    misses: int = Field(default=3, ge=1)  # consecutive misses make a frozen peer dead; no responders at once
+    accept_timeout_s: float = Field(default=5.0, gt=0)  # a request not accepted by any instance this long is resent
 
 
 class ArchConfig(Section):
@@ -240,7 +265,9 @@ class TrainConfig(Section):
     # samples of each micro-batch it receives by (env, agent, turn); mq does not wait for whole groups.
     grouping: Literal["episode", "trainer"] = "episode"
     clip_eps: float = 0.2
-    checkpoint_every: int = Field(default=25, ge=0)  # versions; 0 = never
+    # Every version is committed to the object store (weights and optimizer) before its micro-batches are acked;
+    # this adds a file runs/<id>/checkpoints/<model>/v<N>.pt every this many versions (0 = never).
+    checkpoint_every: int = Field(default=25, ge=0)
     threads: int = Field(default=1, ge=1)
     ack_wait_s: float = 60.0
 
@@ -297,6 +324,7 @@ class ChorusConfig(BaseSettings):
     mq: MqConfig = Field(default_factory=MqConfig)
     actions: ActionsConfig = Field(default_factory=ActionsConfig)
     paramsync: ParamSyncConfig = Field(default_factory=ParamSyncConfig)
+    peers: PeersSection = Field(default_factory=PeersSection)
     metrics_interval_s: float = 2.0
 
     @classmethod

@@ -72,11 +72,12 @@ def rolling_mean(xs: list[float], window: int) -> list[float]:
 
 
 def by_model(records: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
-    """Group records per model, sorted by version."""
-    out: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    """Group records per model, sorted by version, one per version (a restarted trainer writes the record of its
+    last committed step again: the later line wins)."""
+    out: dict[str, dict[int, dict[str, Any]]] = defaultdict(dict)
     for rec in records:
-        out[str(rec["model"])].append(rec)
-    return {m: sorted(rs, key=lambda r: int(r["version"])) for m, rs in sorted(out.items())}
+        out[str(rec["model"])][int(rec["version"])] = rec
+    return {m: [rs[v] for v in sorted(rs)] for m, rs in sorted(out.items())}
 
 
 def _mean(xs: list[float]) -> float:

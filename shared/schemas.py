@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import time
 from typing import Any, ClassVar, Literal
 
@@ -103,6 +104,8 @@ class RolloutControl(Message):
     object_name: str | None = None
     checksum: str | None = None
     timeout_s: float = 30.0
+    # The sender's status subject: a paused instance probes it, and resumes by itself once the sender is gone.
+    peer: str | None = None
 
 
 class RolloutControlReply(Message):
@@ -112,6 +115,7 @@ class RolloutControlReply(Message):
     checksum: str | None = None
     in_flight: int = 0
     routing: bool = True  # subscribed to the model's generation subjects
+    paused: bool = False  # admitting no new generations (between a sync's pause and its resume)
     error: str | None = None
 
 
@@ -161,8 +165,10 @@ class MicroBatch(Message):
 
 
 class WeightsAnnounce(Message):
-    """The trainer has weights of ``version`` for ``model``: in the object store (transport nats, under
-    ``object_name``) or in its memory, served bucket by bucket over UCX (transport ucx)."""
+    """The trainer committed ``version`` of ``model``: its weights are in the object store under ``object_name``
+    and, with transport ucx, also in the trainer's memory, served bucket by bucket over UCX. ``state_object``
+    holds the trainer's whole state of the version (weights, optimizer, step record). The newest announce is
+    also the value of KV ``weights.<model>``, the trainer's commit point."""
 
     model: str
     version: int
@@ -170,6 +176,7 @@ class WeightsAnnounce(Message):
     object_name: str | None = None
     checksum: str  # of the flat buffer: the digest of its bucket digests (shared.weights.checksum)
     nbytes: int
+    state_object: str | None = None
     created_at: float = Field(default_factory=time.time)
 
 
@@ -199,6 +206,7 @@ class WeightsReply(Message):
     held: list[int] = Field(default_factory=list)  # versions the trainer can serve
     seconds: float = 0.0
     error: str | None = None
+    peer: str | None = None  # the trainer's status subject, probed while a pull is under way
 
 
 class SyncDone(Message):
@@ -260,10 +268,18 @@ class DepthReport(Message):
 
 
 class DropEvent(Message):
+    """Samples removed without training, and why (on ``events.<service>`` with ``"kind": "drop"``)."""
+
     model: str
     sample_ids: list[str]
     reason: str
     count: int
+
+    @property
+    def record_id(self) -> str:
+        """Idempotency key of the drop's record: the same samples dropped for the same reason are one record."""
+        text = "\n".join([self.model, self.reason, *sorted(self.sample_ids)])
+        return "drop." + hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
 class DlqEntry(Message):

@@ -30,10 +30,12 @@ from shared.bus import connect, ensure_run
 from shared.codec import DecodeError, decode, encode_json
 from shared.config import ChorusConfig, ConfigError, load_config
 from shared.logs import setup_logging
+from shared.peers import PeerWatch
 from shared.subjects import Names
 
 VERSION = "0.1.0"
 M = TypeVar("M", bound=BaseModel)
+RECORD_BACKOFF_S = (0.1, 2.0)  # first and largest wait between attempts to write a record
 
 
 class Service:
@@ -81,10 +83,17 @@ class Service:
         suffix = f".{self.model}" if self.model else ""
         return f"{self.name}{suffix}.{self.instance}"
 
+    @property
+    def status_subject(self) -> str:
+        """Where this instance answers status requests, and where peers probe whether it is alive."""
+        return self.names.status(self.name, self.model, self.instance)
+
     async def start(self) -> None:
         self.nc = await connect(self.nats_url, self.client_name, timeout_s=self.cfg.nats.connect_timeout_s)
         self.js = self.nc.jetstream(timeout=10.0)
         self.kv, self.obj = await ensure_run(self.js, self.cfg)
+        self.peers = PeerWatch(self.nc, self.cfg.peers)
+        self.spawn(self.peers.run(), "peers")
         self._micro = await add_service(
             self.nc,
             name=f"chorus-{self.name}",
@@ -94,7 +103,7 @@ class Service:
         )
         await self._micro.add_endpoint(
             name="status",
-            subject=f"{self.names.control(self.name, 'status')}.{self.model or '_'}.{self.instance}",
+            subject=self.status_subject,
             handler=self._status_handler,
         )
         await self.setup()
@@ -215,11 +224,33 @@ class Service:
             },
         )
 
+    def _event_body(self, kind: str, fields: dict[str, Any]) -> bytes:
+        return encode_json({"kind": kind, "instance": self.instance, "model": self.model, "time": time.time(),
+                            **fields})
+
     async def event(self, kind: str, **fields: Any) -> None:
-        await self.nc.publish(
-            self.names.events(self.name),
-            encode_json({"kind": kind, "instance": self.instance, "model": self.model, "time": time.time(), **fields}),
-        )
+        """A best-effort event (core publish; the events stream keeps it when the broker gets it)."""
+        await self.nc.publish(self.names.events(self.name), self._event_body(kind, fields))
+
+    async def record(self, kind: str, record_id: str, **fields: Any) -> bool:
+        """An event that must not be lost, such as which samples a step trained or why samples were dropped:
+        written to the events stream and acknowledged there (``record_id`` deduplicates a repeat), retried with
+        backoff while the broker is away. Write it before acknowledging what it reports. False only if the
+        service stopped first: then leave the messages unacknowledged, to be redelivered and recorded again."""
+        data = self._event_body(kind, fields)
+        wait = RECORD_BACKOFF_S[0]
+        while True:
+            try:
+                await self.js.publish(self.names.events(self.name), data, timeout=5.0,
+                                      headers={"Nats-Msg-Id": record_id})
+                return True
+            except (nats.errors.Error, TimeoutError) as exc:
+                self.counters["record_retries"] += 1
+                self.log.warning("writing a record failed", kind=kind, error=f"{type(exc).__name__}: {exc}")
+            if self.stopping:
+                return False
+            await asyncio.sleep(wait)
+            wait = min(RECORD_BACKOFF_S[1], wait * 2)
 
     def metrics_snapshot(self) -> dict[str, Any]:
         return {
@@ -230,13 +261,18 @@ class Service:
             "time": time.time(),
             "uptime_s": round(time.time() - self.started_at, 3),
             "counters": dict(self.counters),
+            **({"peers": dict(self.peers.counters)} if hasattr(self, "peers") else {}),
             **self.extra_metrics(),
         }
 
     async def _metrics_loop(self) -> None:
         subject = self.names.metrics(self.name, f"{self.model}-{self.instance}" if self.model else self.instance)
         while not self.stopping:
-            await self.nc.publish(subject, encode_json(self.metrics_snapshot()))
+            try:
+                await self.nc.publish(subject, encode_json(self.metrics_snapshot()))
+            except nats.errors.Error as exc:  # reconnecting with a full buffer: the next snapshot will do
+                self.counters["metrics_errors"] += 1
+                self.log.warning("metrics publish failed", error=f"{type(exc).__name__}: {exc}")
             await asyncio.sleep(self.cfg.metrics_interval_s)
 
     async def _status_handler(self, req: Request) -> None:

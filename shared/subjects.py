@@ -9,6 +9,7 @@ import re
 from dataclasses import dataclass
 
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
+_OBJECT = re.compile(r"^(weights|state)/(?P<model>[A-Za-z0-9_-]+)/v(?P<version>\d+)(-[A-Za-z0-9]+)?$")
 
 SERVICES = ("coordinator", "rollouter", "mq", "trainer", "paramsync", "actions")
 
@@ -100,6 +101,11 @@ class Names:
     def events_all(self) -> str:
         return f"{self.prefix}.events.>"
 
+    def status(self, service: str, model: str | None, instance: str) -> str:
+        """The status endpoint of one service instance (micro service API): its metrics snapshot, and the
+        subject peers probe to tell a live instance from a dead or frozen one."""
+        return f"{self.control(service, 'status')}.{model or '_'}.{instance}"
+
     @staticmethod
     def srv_ping(service: str | None = None) -> str:
         """NATS micro API ping of every service, or of one Chorus service kind (answers carry metadata.run)."""
@@ -118,6 +124,16 @@ class Names:
     def trainer_consumer(self, model: str) -> str:
         return f"trainer_{model}"
 
+    def events_stream(self) -> str:
+        """Every event of the run (``events.>``): steps and drops are written to it before what they report
+        is acknowledged, so it is the run's ledger of which sample went where."""
+        return f"CHORUS_{_upper(self.run)}_EVENTS"
+
+    def streams(self, models: list[str]) -> list[str]:
+        """Every stream of a run: the data plane, the events, the KV bucket's and the object store's."""
+        out = [s for m in models for s in (self.traj_stream(m), self.ready_stream(m))]
+        return out + [self.events_stream(), f"KV_{self.kv_bucket}", f"OBJ_{self.obj_bucket}"]
+
     @property
     def kv_bucket(self) -> str:
         return f"chorus_{self.run}"
@@ -134,8 +150,19 @@ class Names:
 
     @staticmethod
     def trained_key(model: str) -> str:
-        """Trainer's own version: optimizer steps applied (set by the trainer)."""
+        """The trainer's committed version: its state (weights and optimizer) for that version is durable in the
+        object store. Set by compare-and-swap: the commit point of a step, and the trainer's fencing token."""
         return f"trained.{model}"
+
+    @staticmethod
+    def weights_key(model: str) -> str:
+        """The WeightsAnnounce (msgpack) of the newest committed version: what paramsync syncs to."""
+        return f"weights.{model}"
+
+    @staticmethod
+    def sync_key(model: str) -> str:
+        """Paramsync's protocol state (JSON): the version it is syncing and the phase, for a restarted paramsync."""
+        return f"sync.{model}"
 
     @staticmethod
     def rollouter_key(model: str, instance: str) -> str:
@@ -151,9 +178,18 @@ class Names:
         return "config"
 
     @staticmethod
-    def weights_object(model: str, version: int) -> str:
-        return f"weights/{model}/v{version}"
+    def weights_object(model: str, version: int, epoch: str = "") -> str:
+        """The flat weights of a version; ``epoch`` names the trainer incarnation that wrote them, so a stale
+        trainer never overwrites the objects a newer one committed."""
+        return f"weights/{model}/v{version}" + (f"-{epoch}" if epoch else "")
 
     @staticmethod
-    def checkpoint_object(model: str, version: int) -> str:
-        return f"checkpoints/{model}/v{version}"
+    def state_object(model: str, version: int, epoch: str) -> str:
+        """The trainer's committed state of a version: weights, optimizer, the step record, recent sample ids."""
+        return f"state/{model}/v{version}-{epoch}"
+
+    @staticmethod
+    def object_version(model: str, name: str) -> int | None:
+        """The version in an object name of ``model`` built above, or None for any other name."""
+        m = _OBJECT.match(name)
+        return int(m["version"]) if m is not None and m["model"] == model else None

@@ -25,7 +25,7 @@ import os
 import random
 import time
 from abc import ABC, abstractmethod
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,11 +34,11 @@ import structlog
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.errors import NotFoundError
 
-from shared.bus import read_object, write_object
+from shared.bus import delete_object, read_object, write_object
 from shared.codec import DecodeError, decode, encode
 from shared.config import ChorusConfig
+from shared.peers import PeerWatch, until_gone
 from shared.schemas import WeightsMetaRequest, WeightsPull, WeightsReply
 from shared.subjects import Names
 from shared.weights import Buffer, WeightsHeader, alloc, head, unpack
@@ -117,15 +117,17 @@ class WeightSource(ABC):
         return None
 
     @abstractmethod
-    async def publish(self, header: WeightsHeader, buf: Buffer) -> str | None:
-        """Make ``header``'s version available; returns the object name (transport nats) or None."""
+    async def publish(self, header: WeightsHeader, buf: Buffer, name: str | None = None) -> str | None:
+        """Make ``header``'s version available (under object ``name``, transport nats); returns the object name
+        (transport nats) or None."""
 
     async def close(self) -> None:  # noqa: B027 - optional hook
         pass
 
 
 class NatsSource(WeightSource):
-    """The object store: ``weights/<model>/v<N>`` objects, the last ``KEEP`` of them kept."""
+    """The object store: one object per version (``weights/<model>/v<N>`` unless named), the last ``KEEP``
+    published by this source kept."""
 
     transport = "nats"
     KEEP = 8  # paramsync or a catching-up rollouter may still be reading a recent one
@@ -135,12 +137,13 @@ class NatsSource(WeightSource):
         self.js = js
         self.chunk_bytes = cfg.paramsync.chunk_kb * 1024
         self._spare: Buffer | None = None
+        self._written: deque[str] = deque()
 
     def spare(self) -> Buffer | None:
         return self._spare
 
-    async def publish(self, header: WeightsHeader, buf: Buffer) -> str:
-        name = self.names.weights_object(self.model, header.version)
+    async def publish(self, header: WeightsHeader, buf: Buffer, name: str | None = None) -> str:
+        name = name or self.names.weights_object(self.model, header.version)
         parts = [head(header), memoryview(buf)[: header.nbytes]]  # the object is [header][buffer]; no join
         for attempt in range(1, PUT_ATTEMPTS + 1):
             try:
@@ -155,11 +158,12 @@ class NatsSource(WeightSource):
                 if attempt == PUT_ATTEMPTS:
                     raise
                 await asyncio.sleep(0.5 * 2**attempt)
-        old = header.version - self.KEEP
-        if old >= 0:
-            with contextlib.suppress(NotFoundError, TimeoutError, nats.errors.Error):
-                store = await self.js.object_store(self.names.obj_bucket)
-                await asyncio.wait_for(store.delete(self.names.weights_object(self.model, old)), timeout=30)
+        if name not in self._written:
+            self._written.append(name)
+        while len(self._written) > self.KEEP:
+            old = self._written.popleft()
+            with contextlib.suppress(TimeoutError, nats.errors.Error):
+                await asyncio.wait_for(delete_object(self.js, self.names.obj_bucket, old), timeout=30)
         return name
 
 
@@ -168,9 +172,10 @@ class UcxSource(WeightSource):
 
     transport = "ucx"
 
-    def __init__(self, cfg: ChorusConfig, names: Names, model: str, nc: NATS) -> None:
+    def __init__(self, cfg: ChorusConfig, names: Names, model: str, nc: NATS, peer: str | None = None) -> None:
         super().__init__(cfg, names, model)
         self.nc = nc
+        self.peer = peer  # this trainer's status subject, for receivers to probe while they wait
         self.keep = cfg.paramsync.keep_versions
         self.send_timeout_s = cfg.paramsync.load_timeout_s
         self.held: OrderedDict[int, Held] = OrderedDict()
@@ -187,7 +192,7 @@ class UcxSource(WeightSource):
     def spare(self) -> Buffer | None:
         return self._free.pop() if self._free else None
 
-    async def publish(self, header: WeightsHeader, buf: Buffer) -> None:
+    async def publish(self, header: WeightsHeader, buf: Buffer, name: str | None = None) -> None:
         self.held[header.version] = Held(header, buf)
         while len(self.held) > self.keep:
             version, old = next(iter(self.held.items()))
@@ -224,7 +229,8 @@ class UcxSource(WeightSource):
         found = await self._requested(msg, WeightsMetaRequest, "meta_misses")
         if found is not None:
             held = found[1]
-            await self._reply(msg, WeightsReply(ok=True, header=held.header.pack(), held=list(self.held)))
+            await self._reply(msg, WeightsReply(ok=True, header=held.header.pack(), held=list(self.held),
+                                                peer=self.peer))
 
     async def _on_pull(self, msg: Msg) -> None:
         # Callbacks of one subscription run one after another: several instances pull at once in tasks.
@@ -338,24 +344,26 @@ class NatsSink(WeightSink):
 class UcxSink(WeightSink):
     transport = "ucx"
 
-    def __init__(self, names: Names, model: str, instance: str, nc: NATS) -> None:
+    def __init__(self, names: Names, model: str, instance: str, nc: NATS, watch: PeerWatch | None = None) -> None:
         super().__init__(names, model, instance)
         self.nc = nc
+        self.watch = watch  # probes the trainer during a pull: a dead one fails the fetch in seconds
         self.ucxx = _ucxx()
         self.address = bytes(self.ucxx.get_worker_address())
 
-    async def header(self, version: int, timeout_s: float) -> WeightsHeader:
+    async def header(self, version: int, timeout_s: float) -> tuple[WeightsHeader, str | None]:
+        """The header of ``version`` and the trainer's status subject."""
         reply = await self._request(self.names.weights_meta(self.model),
                                     WeightsMetaRequest(model=self.model, version=version), timeout_s)
         if reply.header is None:
             raise ValueError("the trainer's header reply is empty")
-        return WeightsHeader.unpack(reply.header)
+        return WeightsHeader.unpack(reply.header), reply.peer
 
     async def fetch(self, version: int, *, object_name: str | None, timeout_s: float) -> tuple[WeightsHeader,
                                                                                                  memoryview]:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        header = await self.header(version, min(META_TIMEOUT_S, timeout_s))
+        header, peer = await self.header(version, min(META_TIMEOUT_S, timeout_s))
         if header.model != self.model or header.version != version:
             raise ValueError(f"asked for {self.model} v{version}, the trainer sent the header of "
                              f"{header.model} v{header.version}")
@@ -369,15 +377,24 @@ class UcxSink(WeightSink):
         try:
             pull = WeightsPull(model=self.model, version=version, instance=self.instance, address=self.address,
                                tag=tag)
-            await self._request(self.names.weights_pull(self.model), pull, max(0.1, deadline - loop.time()))
-            # The trainer replied once its sends completed; the receives complete with them.
-            await asyncio.wait_for(asyncio.gather(*recvs), max(0.1, deadline - loop.time()))
+            transfer = self._transfer(pull, recvs, deadline)
+            if self.watch is not None and peer:
+                with self.watch.watching(peer) as gone:
+                    await until_gone(transfer, gone, peer)
+            else:
+                await transfer
         except BaseException:
             for r in recvs:
                 r.cancel()
             self.discard_staging()
             raise
         return header, view[: header.nbytes]
+
+    async def _transfer(self, pull: WeightsPull, recvs: list[asyncio.Future[Any]], deadline: float) -> None:
+        loop = asyncio.get_running_loop()
+        await self._request(self.names.weights_pull(self.model), pull, max(0.1, deadline - loop.time()))
+        # The trainer replied once its sends completed; the receives complete with them.
+        await asyncio.wait_for(asyncio.gather(*recvs), max(0.1, deadline - loop.time()))
 
     async def _request(self, subject: str, req: WeightsMetaRequest | WeightsPull, timeout_s: float) -> WeightsReply:
         try:
@@ -392,17 +409,18 @@ class UcxSink(WeightSink):
         return reply
 
 
-def make_source(cfg: ChorusConfig, names: Names, model: str, nc: NATS, js: JetStreamContext) -> WeightSource:
+def make_source(cfg: ChorusConfig, names: Names, model: str, nc: NATS, js: JetStreamContext,
+                peer: str | None = None) -> WeightSource:
     transport = resolve_transport(cfg)
     if transport == "ucx":
-        return UcxSource(cfg, names, model, nc)
+        return UcxSource(cfg, names, model, nc, peer)
     return NatsSource(cfg, names, model, js)
 
 
 def make_sink(transport: str, names: Names, model: str, instance: str, nc: NATS,
-              js: JetStreamContext) -> WeightSink:
+              js: JetStreamContext, watch: PeerWatch | None = None) -> WeightSink:
     if transport == "ucx":
-        return UcxSink(names, model, instance, nc)
+        return UcxSink(names, model, instance, nc, watch)
     if transport == "nats":
         return NatsSink(names, model, instance, js)
     raise ValueError(f"unknown weight transport {transport!r} (one of {TRANSPORTS})")

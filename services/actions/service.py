@@ -11,6 +11,7 @@ from nats.aio.msg import Msg
 from services.actions.actions import REGISTRY
 from services.actions.pool import WorkerPool
 from shared.codec import DecodeError, decode, encode
+from shared.peers import accept
 from shared.schemas import ActionRequest, ActionResult
 from shared.service import Service
 
@@ -55,6 +56,7 @@ class ActionsService(Service):
     async def _on_request(self, msg: Msg) -> None:
         # Callbacks of one subscription run one after another: each request gets its own task so that
         # FCFS happens in the scheduler, not in the client's delivery loop.
+        await accept(self.nc, msg, self.status_subject)
         task = asyncio.create_task(self._handle(msg), name="actions:request")
         self._inflight.add(task)
         task.add_done_callback(self._done)

@@ -21,6 +21,7 @@ from shared.bus import kv_get_int
 from shared.codec import DecodeError, decode, decode_json, encode
 from shared.config import ChorusConfig
 from shared.logs import append_line
+from shared.peers import NotAccepted, PeerGone, ReplyMux
 from shared.schemas import ActionRequest, ActionResult, Array, DepthReport, GenRequest, GenResponse
 from shared.service import Service
 
@@ -57,6 +58,9 @@ class CoordinatorService(Service):
     async def setup(self) -> None:
         cfg = self.cfg
         wf = cfg.workflow
+        # Generation and action requests are accepted by one instance, which is probed while they run: a dead
+        # or frozen instance costs a probe interval or a few, then the request goes to another one.
+        self.mux = await ReplyMux(self.nc, self.peers, cfg.peers).start()
         # The models that get samples: their backlogs and budgets pace the run (a judge's model only answers).
         self.models = sorted({cfg.agents[a].model for a in wf.agents})
         self.tokenizers = Tokenizers(cfg)
@@ -109,6 +113,7 @@ class CoordinatorService(Service):
             await asyncio.gather(*pending, return_exceptions=True)
         if self._publishing:
             await asyncio.wait(self._publishing, timeout=10)
+        await self.mux.close()
 
     def extra_metrics(self) -> dict[str, Any]:
         if not hasattr(self, "admission"):
@@ -282,13 +287,17 @@ class CoordinatorService(Service):
         return min(BACKOFF_MAX_S, 0.1 * 2**attempt) * random.uniform(0.5, 1.0)
 
     async def _request(self, subject: str, data: bytes, timeout_s: float, what: str) -> bytes:
-        """Request with retries and backoff on timeout / no responders; raises Abandon when it gives up."""
+        """Request with retries and backoff on timeout / no responders / a dead instance; raises Abandon when it
+        gives up."""
         for attempt in range(MAX_ATTEMPTS):
             try:
-                msg = await self.nc.request(subject, data, timeout=timeout_s)
-                return msg.data
+                return await self.mux.request(subject, data, timeout_s)
             except nats.errors.NoRespondersError:
                 self.counters[f"{what}_no_responders"] += 1
+            except PeerGone:
+                self.counters[f"{what}_peer_gone"] += 1
+            except NotAccepted:
+                self.counters[f"{what}_not_accepted"] += 1
             except (nats.errors.TimeoutError, TimeoutError):
                 self.counters[f"{what}_timeouts"] += 1
             except nats.errors.Error as exc:

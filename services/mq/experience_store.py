@@ -33,6 +33,7 @@ STALE = "stale"  # trained_version - sample.version > max_staleness
 GROUP_DROPPED = "group_dropped"  # (grouping episode) a member of its group was dropped; a partial group is useless
 LATE = "late"  # (grouping episode) its group was already dispatched in a micro-batch
 OVERFLOW = "overflow"  # shed by :meth:`ExperienceStore.shed` to keep the store within its capacity
+FINISHED = "finished"  # the model reached train.max_versions (:meth:`ExperienceStore.finish`): nothing trains it
 
 Grouping = Literal["episode", "trainer"]
 Mode = Literal["sync", "microbatch", "async"]
@@ -151,6 +152,7 @@ class ExperienceStore(Generic[H]):
         self._seq = 0
         self._owed = 0  # sync mode: samples of the released global batch not yet taken
         self.duplicates = 0
+        self.finished = False
 
     @property
     def _episode(self) -> bool:
@@ -210,6 +212,15 @@ class ExperienceStore(Generic[H]):
         for key in stale_keys:
             out.extend(self._drop_group(key))
         return out
+
+    def finish(self) -> list[Dropped[H]]:
+        """The model trains no more: drop every held row not being dispatched, and every later arrival (FINISHED),
+        so each sample of the run ends up trained or counted dropped."""
+        self.finished = True
+        out: Dropped[H] = Dropped(FINISHED)
+        for sid in [r.sample_id for r in self._rows() if not r.is_processing]:
+            self._drop_into(out, sid)
+        return [out] if out.sample_ids else []
 
     def shed(self, capacity: int) -> list[Dropped[H]]:
         """Drop the oldest groups not being dispatched (OVERFLOW) until at most ``capacity`` rows are held."""
@@ -314,7 +325,9 @@ class ExperienceStore(Generic[H]):
             self.duplicates += 1
             return AddResult(AddKind.SEEN, settle=handle)
         reason = None
-        if key in self._dead:
+        if self.finished:
+            reason = FINISHED
+        elif key in self._dead:
             reason = GROUP_DROPPED
         elif self._episode and (key in self._closed or self._taken(key)):
             reason = LATE

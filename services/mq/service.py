@@ -1,18 +1,21 @@
 """Mq service: one model's experience queue between the coordinator and the trainer.
 
-Consumes Sample (msgpack) from durable ``mq_<model>`` on the traj stream; drops stale samples (acked,
-counted, ``{"kind": "drop", ...DropEvent}`` on ``events.mq``); in async mode sheds the oldest groups beyond
-``mq.capacity`` (reason ``overflow``); assembles micro-batches by the store's policy (whole groups, or the
+Consumes Sample (msgpack) from durable ``mq_<model>`` on the traj stream; drops stale samples (counted, a
+``{"kind": "drop", ...DropEvent}`` record written to the events stream on ``events.mq``, then acked); in
+async mode sheds the oldest groups beyond ``mq.capacity`` (reason ``overflow``); once the trainer reached
+``train.max_versions`` drops everything (reason ``finished``); assembles micro-batches by the store's policy (whole groups, or the
 oldest samples under ``train.grouping: trainer``; in sync mode a whole global batch at once) into MicroBatch
 (msgpack) on the ready stream (``Nats-Msg-Id`` = sha256 of the sorted sample ids) and acks the samples
 only after the PubAck; a full ready stream postpones dispatch without stopping intake; publishes
 DepthReport JSON on ``mq.<model>.depth``. Nothing is acked before it is
-downstream or counted as dropped, so a restarted mq is redelivered whatever was unfinished.
+downstream or recorded as dropped, so a restarted mq is redelivered whatever was unfinished: it starts with a
+new consumer, which delivers at once what the last mq held.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -20,7 +23,7 @@ from typing import Any
 
 import nats
 from nats.aio.msg import Msg
-from nats.js.errors import APIError
+from nats.js.errors import APIError, NotFoundError
 
 from services.mq.experience_store import AddKind, Dropped, ExperienceStore, Policy, Take
 from shared.bus import fetch, kv_get_int, pull_consumer
@@ -30,7 +33,7 @@ from shared.service import Service
 
 FETCH_BATCH = 256
 FETCH_TIMEOUT_S = 0.25
-# Held samples wait for their group; keep-alive acks stop redelivery, a SIGKILLed mq's hold expires after this.
+# Held samples wait for their group; keep-alive acks stop redelivery, a frozen mq's hold expires after this.
 ACK_WAIT_S = 15.0
 PUBLISH_TIMEOUT_S = 5.0
 BACKOFF_S = (0.05, 1.0)  # first and largest wait between ready-stream publish attempts
@@ -66,6 +69,10 @@ class MqService(Service):
         self._ready_full_until = 0.0  # monotonic time before which a full ready stream is not retried
         self._full_backoff = BACKOFF_S[0]
         capacity = self.cfg.mq_capacity
+        # A new consumer delivers at once what the last mq held unacked (a dead mq's samples would otherwise
+        # wait out the ack wait).
+        with contextlib.suppress(NotFoundError):
+            await self.js.delete_consumer(self.names.traj_stream(self.model), self.names.mq_consumer(self.model))
         self.sub = await pull_consumer(
             self.js,
             stream=self.names.traj_stream(self.model),
@@ -118,6 +125,8 @@ class MqService(Service):
                 continue
             await self._intake(msgs)
             await self._report(self.store.set_trained_version(self.trained_version))
+            if self.trained_version >= self.cfg.train.max_versions:
+                await self._report(self.store.finish())
             if self.cfg.train.mode == "async":
                 # Over capacity (a slow or stalled trainer): the oldest groups go, counted, so memory stays
                 # bounded and the coordinator keeps serving the other models.
@@ -188,13 +197,14 @@ class MqService(Service):
         await self._settle(to_ack, "ack")
 
     async def _report(self, drops: list[Dropped[Msg]]) -> None:
-        """Count, announce and then ack dropped samples."""
+        """Count and record dropped samples, then ack them (unrecorded, when stopping first: they come back)."""
         assert self.model is not None
         for d in drops:
             self.counters[f"dropped_{d.reason}"] += len(d.sample_ids)
             ev = DropEvent(model=self.model, sample_ids=d.sample_ids, reason=d.reason, count=len(d.sample_ids))
-            await self.event("drop", **ev.model_dump(by_alias=True), trained_version=self.trained_version)
-            await self._settle(d.handles, "ack")
+            if await self.record("drop", ev.record_id, **ev.model_dump(by_alias=True),
+                                 trained_version=self.trained_version):
+                await self._settle(d.handles, "ack")
 
     async def _dispatch(self) -> None:
         """Publish every micro-batch that is due; a full ready stream postpones the rest, never blocks intake."""

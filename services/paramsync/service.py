@@ -1,24 +1,36 @@
-"""Paramsync service: announce -> pause rollouters -> load -> ack -> set served version -> resume -> done."""
+"""Paramsync service: announce -> pause rollouters -> load -> ack -> set served version -> resume -> done.
+
+Crash-only: the version to sync comes from the trainer's commit point (KV ``weights.<model>``, read every
+``SYNC_POLL_S``; an announce only wakes the loop up early), so an announce lost while paramsync was down delays
+nothing. The phase of a sync is kept in KV ``sync.<model>``: a restarted paramsync that finds a sync half done
+aborts it (resumes every instance with the served version) and syncs again. Requests to a rollouter fail as soon
+as probes find it dead, not after their timeout; a paused rollouter resumes by itself once this paramsync is gone.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from typing import Any
 
+import nats.errors
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js.errors import KeyNotFoundError
 
 from services.paramsync.protocol import AnnounceQueue, InstanceResult, decide, instances_from_keys
-from shared.bus import kv_get_int, kv_put_int_max
+from shared.bus import kv_get_int, kv_keys, kv_put_int_max
 from shared.codec import DecodeError, decode, encode
+from shared.peers import PeerGone, request_watched
 from shared.schemas import RolloutControl, RolloutControlReply, SyncDone, WeightsAnnounce
 from shared.service import Service
 
-LIST_TIMEOUT_S = 5.0
 LIST_ATTEMPTS = 3
 RESUME_TIMEOUT_S = 5.0
+SYNC_POLL_S = 1.0  # how often the commit point is read, besides announces
+RETRY_S = (1.0, 30.0)  # first and largest wait before a version no live instance could load is tried again
 # Extra time the request waits beyond the timeout the rollouter itself is given.
 REPLY_MARGIN_S = 2.0
 
@@ -40,8 +52,12 @@ class ParamSyncService(Service):
         self.queue = AnnounceQueue()
         self._wake = asyncio.Event()
         self.syncing: int | None = None
+        self._retry: tuple[int, float, float] | None = None  # (version, not before, next wait) after a failed sync
+        await self._abort_half_done()
+        self.queue.last_synced = await kv_get_int(self.kv, self.names.version_key(self.model), -1)
         await self.nc.subscribe(self.names.sync_announce(self.model), cb=self._on_announce)
         self.spawn(self._sync_loop(), "sync")
+        self.spawn(self._poll_loop(), "poll")
 
     def extra_metrics(self) -> dict[str, Any]:
         if not hasattr(self, "queue"):
@@ -72,18 +88,84 @@ class ParamSyncService(Service):
                 continue
             self.syncing = ann.version
             try:
-                await self.sync(ann)
-            except Exception as exc:  # the broker hiccuped; the next announce retries from scratch
+                done = await self.sync(ann)
+                self._after(done)
+            except Exception as exc:  # the broker hiccuped; the commit point is read again within a second
                 self.counters["sync_errors"] += 1
                 self.log.error("sync failed", version=ann.version, error=f"{type(exc).__name__}: {exc}")
             finally:
                 self.syncing = None
+
+    def _after(self, done: SyncDone) -> None:
+        """Back off before trying again a version that no live instance loaded."""
+        if done.version <= self.queue.last_synced:
+            self._retry = None
+            return
+        wait = RETRY_S[0] if self._retry is None or self._retry[0] != done.version else self._retry[2]
+        self._retry = (done.version, time.monotonic() + wait, min(RETRY_S[1], 2 * wait))
+
+    async def _poll_loop(self) -> None:
+        """Offer the trainer's newest commit every ``SYNC_POLL_S``: the announce of it may have been lost."""
+        assert self.model is not None
+        while True:
+            await asyncio.sleep(SYNC_POLL_S)
+            try:
+                entry = await self.kv.get(self.names.weights_key(self.model))
+                ann = decode(WeightsAnnounce, entry.value or b"")
+            except KeyNotFoundError:
+                continue  # no trainer has committed yet
+            except DecodeError as exc:
+                self.counters["bad_commit_points"] += 1
+                self.log.warning("the commit point does not hold an announce", error=exc.reason)
+                continue
+            except (nats.errors.Error, TimeoutError) as exc:
+                self.counters["kv_errors"] += 1
+                self.log.warning("reading the commit point failed", error=f"{type(exc).__name__}: {exc}")
+                continue
+            if ann.version <= self.queue.last_synced or ann.version == self.syncing:
+                continue
+            if self._retry is not None and self._retry[0] == ann.version and time.monotonic() < self._retry[1]:
+                continue
+            if self.queue.offer(ann):
+                self.counters["polled_commits"] += 1
+                self._wake.set()
+
+    # --- the state of a sync in KV --------------------------------------------------------
+    async def _set_state(self, phase: str, version: int, instances: list[str] | None = None) -> None:
+        assert self.model is not None
+        state = {"phase": phase, "version": version, "instances": instances or [], "paramsync": self.instance,
+                 "time": time.time()}
+        try:
+            await self.kv.put(self.names.sync_key(self.model), json.dumps(state).encode())
+        except (nats.errors.Error, TimeoutError) as exc:  # only a restart mid-sync would miss it
+            self.counters["kv_errors"] += 1
+            self.log.warning("could not record the sync phase", phase=phase, error=f"{type(exc).__name__}: {exc}")
+
+    async def _abort_half_done(self) -> None:
+        """A paramsync that died mid-sync left its phase at running: resume every registered instance with the
+        served version (one that loaded the new weights serves them once it is synced again), then sync anew."""
+        assert self.model is not None
+        try:
+            entry = await self.kv.get(self.names.sync_key(self.model))
+            state = json.loads(entry.value or b"{}")
+        except (KeyNotFoundError, ValueError):
+            return
+        if not isinstance(state, dict) or state.get("phase") != "running":
+            return
+        served = await kv_get_int(self.kv, self.names.version_key(self.model))
+        instances = sorted(set(await self._live_instances()) | set(state.get("instances") or []))
+        self.counters["aborted_syncs"] += 1
+        self.log.warning("aborting a sync a previous paramsync left half done", version=state.get("version"),
+                         served=served, instances=instances)
+        await asyncio.gather(*(self._resume(i, served) for i in instances))
+        await self._set_state("aborted", int(state.get("version") or 0))
 
     async def sync(self, ann: WeightsAnnounce) -> SyncDone:
         """Run the whole protocol for one announce; failures are reported in SyncDone, never raised."""
         assert self.model is not None
         t0 = time.perf_counter()
         instances = await self._live_instances()
+        await self._set_state("running", ann.version, instances)
         results = await asyncio.gather(*(self._pause_and_load(i, ann) for i in instances))
         outcome = decide(results)
         served = ann.version
@@ -98,6 +180,7 @@ class ParamSyncService(Service):
             # commit, still holds the old one) serves; one that failed to load it stays out of routing and
             # loads it by itself.
             await asyncio.gather(*(self._resume(r.instance, served) for r in results if r.reachable))
+        await self._set_state("done", ann.version)
         for r in results:
             if not r.reachable:  # its process is gone (or cut off): drop the registration it left behind
                 await self._deregister(r.instance)
@@ -124,8 +207,8 @@ class ParamSyncService(Service):
         self.log.warning("unreachable instance deregistered", instance=instance)
 
     async def _live_instances(self) -> list[str]:
-        """Registered rollouter instances; an empty listing is read again before it is believed (a KV watch
-        can end its snapshot before delivering the keys), since committing to nobody skips every rollouter."""
+        """Registered rollouter instances; an empty listing is read again before it is believed (a rollouter may
+        be registering), since committing to nobody skips every rollouter."""
         for attempt in range(LIST_ATTEMPTS):
             found = await self._list_instances()
             if found:
@@ -136,20 +219,15 @@ class ParamSyncService(Service):
         return []
 
     async def _list_instances(self) -> list[str]:
+        """Registration keys, read without a KV watch (each watch would leave a consumer behind for minutes)."""
         assert self.model is not None
         prefix = self.names.rollouter_prefix(self.model)
-        keys: list[str] = []
-        watcher = await self.kv.watch(f"{prefix}*", ignore_deletes=True, meta_only=True)
         try:
-            while True:
-                entry = await watcher.updates(timeout=LIST_TIMEOUT_S)
-                if entry is None:  # end of the current snapshot
-                    break
-                keys.append(entry.key)
-        except (NatsTimeoutError, TimeoutError):
-            self.counters["list_timeouts"] += 1
-        finally:
-            await watcher.stop()
+            keys = await kv_keys(self.js, self.names.kv_bucket, prefix)
+        except (nats.errors.Error, TimeoutError) as exc:
+            self.counters["list_errors"] += 1
+            self.log.warning("listing rollouter instances failed", error=f"{type(exc).__name__}: {exc}")
+            return []
         return instances_from_keys(keys, prefix)
 
     async def _pause_and_load(self, instance: str, ann: WeightsAnnounce) -> InstanceResult:
@@ -190,15 +268,23 @@ class ParamSyncService(Service):
             self.log.warning("resume failed", instance=instance, error=str(exc))
 
     async def _control(self, instance: str, ctl: RolloutControl) -> RolloutControlReply:
-        """One control request/reply; any failure becomes :class:`ControlFailed` with a reason."""
+        """One control request/reply; any failure becomes :class:`ControlFailed` with a reason. The instance is
+        probed meanwhile: one that dies or freezes fails the request in seconds, not after its timeout."""
         assert self.model is not None
         subject = self.names.rollout_control(self.model, instance, ctl.verb)
+        ctl = ctl.model_copy(update={"peer": self.status_subject})
+        peer = self.names.status("rollouter", self.model, instance)
         try:
-            msg = await self.nc.request(subject, encode(ctl), timeout=ctl.timeout_s + REPLY_MARGIN_S)
+            msg = await request_watched(self.nc, subject, encode(ctl), ctl.timeout_s + REPLY_MARGIN_S, self.peers,
+                                        peer)
         except NoRespondersError as exc:
             raise ControlFailed(f"{ctl.verb}: no responders (instance not running)", reachable=False) from exc
+        except PeerGone as exc:
+            raise ControlFailed(f"{ctl.verb}: {exc}", reachable=False) from exc
         except (NatsTimeoutError, TimeoutError) as exc:
             raise ControlFailed(f"{ctl.verb}: no reply within {ctl.timeout_s + REPLY_MARGIN_S}s") from exc
+        except nats.errors.Error as exc:  # reconnecting: the next sync tries again
+            raise ControlFailed(f"{ctl.verb}: {type(exc).__name__}: {exc}") from exc
         try:
             reply = decode(RolloutControlReply, msg.data)
         except DecodeError as exc:

@@ -2,7 +2,10 @@
 
 A LoRA model serves all its adapters from one engine; a request names its adapter, or none for the base.
 An instance is in routing (subscribed to the model's generation subjects) only while it holds the served
-version: one whose load failed stays out, loads the served version by itself, and then comes back.
+version: one whose load failed stays out, loads the served version by itself, and then comes back. It loads
+through the transport of the sync, or from the object store, where the trainer commits every version: a
+rollouter started after its trainer died still finds the served weights. Paused by a paramsync that then dies
+or freezes, it resumes by itself within a few probes.
 """
 
 from __future__ import annotations
@@ -28,7 +31,16 @@ from shared.bus import kv_get_int
 from shared.codec import DecodeError, decode, encode
 from shared.config import ChorusConfig
 from shared.models import Tokenizer, load_model, load_tokenizer
-from shared.schemas import Array, GenOutput, GenRequest, GenResponse, RolloutControl, RolloutControlReply
+from shared.peers import Liveness, accept, probe
+from shared.schemas import (
+    Array,
+    GenOutput,
+    GenRequest,
+    GenResponse,
+    RolloutControl,
+    RolloutControlReply,
+    WeightsAnnounce,
+)
 from shared.service import Service
 from shared.weights import WeightsHeader, load_into
 from shared.weightsync import TRANSPORTS, WeightSink, make_sink, resolve_transport
@@ -117,6 +129,7 @@ class RollouterService(Service):
         self._catch_up_failed = -1
         self._gen_subs: list[Subscription] = []
         self._transport = resolve_transport(self.cfg)  # until paramsync names the trainer's
+        self._controller: str | None = None  # status subject of the paramsync that paused this instance
         if self._transport == "ucx":
             self._sink("ucx")  # start UCX now (it loads libraries and a progress thread), not in the first sync
         await self._catch_up()
@@ -220,6 +233,7 @@ class RollouterService(Service):
     # --- generation ----------------------------------------------------------------------
     async def _on_gen(self, msg: Msg) -> None:
         # Never await generation here: callbacks of one subscription run one after another.
+        await accept(self.nc, msg, self.status_subject)
         try:
             req = decode(GenRequest, msg.data)
             prompts = request_prompts(req, self.engine)
@@ -275,6 +289,8 @@ class RollouterService(Service):
             return
         self.counters[f"control_{verb}"] += 1
         self._last_control = time.monotonic()
+        if ctl.peer:
+            self._controller = ctl.peer
         if verb == "pause":
             self.batcher.pause()
             drained = await self.batcher.drain(ctl.timeout_s)
@@ -294,25 +310,48 @@ class RollouterService(Service):
             await self._control_reply(msg, ok=True)
 
     async def _pause_watchdog(self) -> None:
-        """Resume by itself when paused with no control message for a whole sync's worth of time.
-
-        A paramsync that dies between pause and resume must not leave this instance paused forever.
-        """
-        ps = self.cfg.paramsync
+        """Resume by itself when paused by a paramsync that is gone (its status subject has no responders, or
+        ``peers.misses`` probes in a row went unanswered), or with no control message for a whole sync's worth
+        of time. A paramsync that dies between pause and resume must not leave this instance paused."""
+        ps, peers = self.cfg.paramsync, self.cfg.peers
         lease = 1.5 * (ps.pause_timeout_s + ps.load_timeout_s) + 1.0  # > paramsync's own waits
+        misses = 0
         while True:
-            await asyncio.sleep(min(1.0, lease / 4))
-            if self.batcher.paused and time.monotonic() - self._last_control > lease:
+            await asyncio.sleep(peers.probe_interval_s)
+            if not self.batcher.paused:
+                misses = 0
+                continue
+            why = None
+            if time.monotonic() - self._last_control > lease:
+                why = f"no control message for {lease:.0f}s"
+            elif self._controller:
+                state = await probe(self.nc, self._controller, peers.probe_timeout_s)
+                misses = 0 if state is Liveness.ALIVE else misses + 1
+                if state is Liveness.DEAD or misses >= peers.misses:
+                    why = f"the paramsync that paused it is {state.value}"
+            if why is not None and self.batcher.paused:
                 self.batcher.resume()
+                misses = 0
                 self.counters["auto_resumes"] += 1
-                self.log.warning("paused without a controller; resumed by itself", lease_s=lease)
+                self.log.warning("paused without a controller; resumed by itself", reason=why)
 
     async def _on_load(self, msg: Msg, ctl: RolloutControl) -> None:
         t0 = time.perf_counter()
         self._transport = ctl.transport
         try:
-            digest = await self._load_version(ctl.version, transport=ctl.transport, object_name=ctl.object_name,
-                                              checksum=ctl.checksum, timeout_s=ctl.timeout_s)
+            try:
+                digest = await self._load_version(ctl.version, transport=ctl.transport, object_name=ctl.object_name,
+                                                  checksum=ctl.checksum, timeout_s=ctl.timeout_s)
+            except Exception as exc:
+                if ctl.transport == "nats" or not ctl.object_name:
+                    raise
+                # The trainer died or no longer holds it: every committed version is in the object store too.
+                self.counters["load_fallbacks"] += 1
+                self.log.warning("load over ucx failed; loading from the object store", version=ctl.version,
+                                 error=f"{type(exc).__name__}: {exc}")
+                left = max(1.0, ctl.timeout_s - (time.perf_counter() - t0))
+                digest = await self._load_version(ctl.version, transport="nats", object_name=ctl.object_name,
+                                                  checksum=ctl.checksum, timeout_s=left)
         except Exception as exc:  # missing object, trainer gone, timeout, checksum or shape mismatch
             self.counters["load_failures"] += 1
             self.log.warning("load failed", version=ctl.version, transport=ctl.transport,
@@ -328,7 +367,7 @@ class RollouterService(Service):
         sink = self._sinks.get(transport)
         if sink is None:
             sink = self._sinks[transport] = make_sink(transport, self.names, self.model, self.instance,
-                                                      self.nc, self.js)
+                                                      self.nc, self.js, self.peers)
         return sink
 
     async def _load_version(self, version: int, *, transport: str, object_name: str | None, checksum: str | None,
@@ -354,7 +393,8 @@ class RollouterService(Service):
         if msg.reply:
             reply = RolloutControlReply(ok=ok, instance=self.instance, version=self.engine.version,
                                         checksum=checksum if checksum is not None else self.checksum,
-                                        in_flight=self.batcher.in_flight, routing=self.routing, error=error)
+                                        in_flight=self.batcher.in_flight, routing=self.routing,
+                                        paused=self.batcher.paused, error=error)
             await msg.respond(encode(reply))
 
     async def _catch_up_loop(self) -> None:
@@ -376,17 +416,33 @@ class RollouterService(Service):
             elif self.routing and not self.batcher.paused:
                 await self._leave_routing(f"holds v{self.engine.version}, v{served} is served")
 
+    async def _committed(self) -> WeightsAnnounce | None:
+        """The trainer's newest commit (KV ``weights.<model>``), or None."""
+        assert self.model is not None
+        try:
+            entry = await self.kv.get(self.names.weights_key(self.model))
+            return decode(WeightsAnnounce, entry.value or b"")
+        except (nats.js.errors.KeyNotFoundError, DecodeError):
+            return None
+        except (nats.errors.Error, TimeoutError):
+            return None
+
     async def _catch_up(self) -> None:
-        """Load the served version if paramsync already moved the model past ours (best effort): through the
-        transport of the last sync, then the other one."""
+        """Load the served version if paramsync already moved the model past ours (best effort): the trainer's
+        newest commit (the served version or a later one, named in KV), through the transport of the last sync,
+        then the other one; without a commit in KV, the served version by its plain name."""
         version = await self._served()
         if version <= self.engine.version:
             return
+        ann = await self._committed()
+        object_name, checksum = None, None
+        if ann is not None and ann.version >= version:
+            version, object_name, checksum = ann.version, ann.object_name, ann.checksum
         order = [self._transport] + [t for t in TRANSPORTS if t != self._transport]
         errors = []
         for transport in order:
             try:
-                await self._load_version(version, transport=transport, object_name=None, checksum=None,
+                await self._load_version(version, transport=transport, object_name=object_name, checksum=checksum,
                                          timeout_s=self.cfg.paramsync.load_timeout_s)
                 self.log.info("caught up with served weights", version=version, transport=transport)
                 return

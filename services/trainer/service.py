@@ -1,40 +1,59 @@
-"""Trainer service: pulls micro-batches from the ready stream, accumulates gradients, steps, hands weights on.
+"""Trainer service: pulls micro-batches from the ready stream, accumulates gradients, steps, commits, hands
+weights on.
 
-Protocol: consumes MicroBatch (msgpack) from durable ``trainer_<model>`` on the ready stream; writes
-``trained.<model>`` to KV after every step; after every step (and at start) flattens the shipped weights
-into one bucketed buffer, hands it to the weight transport (in memory for UCX pulls, or the object store)
-and publishes WeightsAnnounce on ``sync.<model>.announce``; step/drop/done events (JSON) on
-``events.trainer``.
+Protocol: consumes MicroBatch (msgpack) from durable ``trainer_<model>`` on the ready stream. Every optimizer
+step is committed before anything else happens (:mod:`services.trainer.commits`): the version's weights and
+state go to the object store and KV ``weights.<model>`` moves to it by compare-and-swap. Then, in order: KV
+``trained.<model>``, the step record on ``events.trainer`` (written to the events stream), the acks of the
+micro-batches it trained, the weights handed to the transport (held in memory for UCX pulls) and a
+WeightsAnnounce on ``sync.<model>.announce``. Nothing acked can be lost with the process: a restarted trainer
+reads the commit back and continues from it; the micro-batches of a step it lost come back unacked. Drops
+(stale, invalid, finished) are recorded before their micro-batch is acked; done (JSON) on ``events.trainer``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import math
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import nats.errors
 from nats.aio.msg import Msg
+from nats.js.errors import NotFoundError
 
+from services.trainer.commits import CommitPointError, Commits, Fenced
 from services.trainer.grpo import micro_batch_advantages
 from services.trainer.intake import SeenIds, StepBook, filter_samples
 from services.trainer.learner import Learner
+from services.trainer.state import Committed, RecentSteps, pack_state, unpack_state
 from shared.bus import fetch, kv_put_int_max, pull_consumer
 from shared.codec import DecodeError, decode, encode
 from shared.logs import append_line
 from shared.schemas import DropEvent, MicroBatch, Sample, StepRecord, WeightsAnnounce
 from shared.service import Service
 from shared.weights import Buffer, WeightsHeader, flatten
-from shared.weightsync import WeightSource, make_source
+from shared.weightsync import NatsSource, UcxSource, WeightSource, resolve_transport
 
 T = TypeVar("T")
 
 FETCH_TIMEOUT_S = 1.0
+COMMIT_BACKOFF_S = (0.5, 5.0)  # first and largest wait between attempts to commit while the broker is away
+FINISHED = "finished"  # drop reason: arrived after the model reached train.max_versions
+
+
+def stream_seq(msg: Msg) -> int | None:
+    """The stream sequence of a JetStream message: the same for every delivery of it."""
+    try:
+        return msg.metadata.sequence.stream
+    except (AttributeError, ValueError, IndexError):
+        return None
 
 
 def _init_worker(threads: int) -> None:
@@ -44,7 +63,7 @@ def _init_worker(threads: int) -> None:
 
 
 class TrainerService(Service):
-    """One model's trainer: micro-batches in, one optimizer step per global batch, weights out."""
+    """One model's trainer: micro-batches in, one optimizer step per global batch, each committed, weights out."""
 
     name = "trainer"
     per_model = True
@@ -54,22 +73,30 @@ class TrainerService(Service):
         self.train = self.cfg.train
         self.ckpt_dir = self.cfg.run_dir / "checkpoints" / self.model
         self.metrics_path = self.cfg.run_dir / "metrics.jsonl"
-        self.source: WeightSource = make_source(self.cfg, self.names, self.model, self.nc, self.js)
+        # Every version's weights go to the object store (a restarted rollouter can always load the served one);
+        # with transport ucx the trainer also serves them from memory.
+        durable = NatsSource(self.cfg, self.names, self.model, self.js)
+        self.source: WeightSource = durable if resolve_transport(self.cfg) == "nats" else \
+            UcxSource(self.cfg, self.names, self.model, self.nc, self.status_subject)
         await self.source.start()
         self.log.info("weight transport", transport=self.source.transport, bucket_mb=self.cfg.paramsync.bucket_mb)
+        self.epoch = uuid.uuid4().hex[:8]
+        self.commits = Commits(self.js, self.kv, self.names, self.model, durable, self.epoch,
+                               self.cfg.paramsync.chunk_kb * 1024)
         self.seen = SeenIds()
+        self.recent = RecentSteps()
         self.book = StepBook()
-        self.held: list[Msg] = []  # micro-batches whose gradients are accumulated, acked after the step
+        self.held: list[Msg] = []  # micro-batches of the accumulating step, acked once it is committed
         self.queue: list[Msg] = []  # fetched, not yet handled
         self.done = False
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"trainer-{self.model}",
                                         initializer=_init_worker, initargs=(self.train.threads,))
         self.learner: Learner = await self._torch(Learner, self.cfg, self.model)
-        restored = await self._torch(self.learner.restore_latest, self.ckpt_dir)
-        if restored is not None:
-            self.log.info("restored checkpoint", path=str(restored), version=self.learner.version)
-        await kv_put_int_max(self.kv, self.names.trained_key(self.model), self.learner.version)
-        await self._publish_weights()
+        await self._restore()
+        # A new consumer delivers at once what the last one held unacked (a dead trainer's micro-batches would
+        # otherwise wait out the ack wait).
+        with contextlib.suppress(NotFoundError):
+            await self.js.delete_consumer(self.names.ready_stream(self.model), self.names.trainer_consumer(self.model))
         self.sub = await pull_consumer(
             self.js,
             stream=self.names.ready_stream(self.model),
@@ -84,7 +111,7 @@ class TrainerService(Service):
         self.spawn(self._heartbeat_loop(), "heartbeat")
 
     async def teardown(self) -> None:
-        """Finish the message in hand, give unstepped micro-batches back (nak) for prompt redelivery."""
+        """Finish the message in hand, give uncommitted micro-batches back (nak) for prompt redelivery."""
         await self.finish_task(getattr(self, "_consume_task", None), 20)
         for msg in self.held + self.queue:
             await self._safe(msg.nak)
@@ -103,15 +130,53 @@ class TrainerService(Service):
             "accumulated": learner.accumulated if learner else 0,
             "held_msgs": len(getattr(self, "held", [])),
             "done": getattr(self, "done", False),
+            "epoch": getattr(self, "epoch", None),
+            "commit_s": round(self.commits.seconds, 3) if hasattr(self, "commits") else 0.0,
             **({"weights": dict(self.source.counters)} if hasattr(self, "source") else {}),
         }
 
+    # --- start: the last commit, or a first one -------------------------------------------
+    async def _restore(self) -> None:
+        """Continue from the newest commit; with none, from the newest checkpoint file (or fresh weights), which
+        is committed first. Then the step record of that version is written again (it may have been lost with
+        the last trainer), old objects are swept and the version is announced."""
+        assert self.model is not None
+        ann = await self.commits.latest()
+        record = None
+        if ann is not None:
+            committed: Committed = await self._torch(unpack_state, await self.commits.read_state(ann))
+            if committed.version != ann.version:
+                raise CommitPointError(f"the state object of {self.model} v{ann.version} holds v{committed.version}")
+            await self._torch(self.learner.load_state_dict, committed.learner)
+            self.recent = committed.recent
+            self.seen.add_all(self.recent.ids())
+            record = committed.record
+            await self._hold_in_memory()
+            self.log.info("restored the committed version", version=ann.version, state=ann.state_object,
+                          epoch=self.epoch)
+        else:
+            path = await self._torch(self.learner.restore_latest, self.ckpt_dir)
+            if path is not None:
+                self.log.info("restored checkpoint file", path=str(path), version=self.learner.version)
+            ann = await self._commit(None)
+        self.counters["objects_swept"] += await self.commits.sweep(ann)
+        await kv_put_int_max(self.kv, self.names.trained_key(self.model), ann.version)
+        if record is not None:
+            await self._record_step(record)
+        await self._announce(ann)
+
+    async def _hold_in_memory(self) -> None:
+        """Transport ucx: hold the restored version's flat buffer for pulls (it was committed by the last trainer)."""
+        if isinstance(self.source, UcxSource):
+            header, buf = await self._torch(self._flatten, self.source.spare())
+            await self.source.publish(header, buf)
+
     # --- loops ----------------------------------------------------------------------------
     async def _consume_loop(self) -> None:
-        while not self.stopping and not self.done:
+        while not self.stopping:
             # Fetch only what the current global batch still needs, so nothing waits through a step.
             missing = self.train.global_batch - self.learner.accumulated
-            want = max(1, min(16, math.ceil(missing / self.train.micro_batch)))
+            want = 16 if self.done else max(1, min(16, math.ceil(missing / self.train.micro_batch)))
             try:
                 self.queue = await fetch(self.sub, want, FETCH_TIMEOUT_S)
             except nats.errors.Error as exc:
@@ -119,13 +184,9 @@ class TrainerService(Service):
                 self.log.warning("fetch failed", error=f"{type(exc).__name__}: {exc}")
                 await asyncio.sleep(1.0)
                 continue
-            while self.queue and not self.stopping and not self.done:
+            while self.queue and not self.stopping:
                 await self._handle(self.queue[0])
                 self.queue.pop(0)
-            # Left over after max_versions: give them back for whoever trains next.
-            for msg in self.queue:
-                await self._safe(msg.nak)
-            self.queue = []
 
     async def _heartbeat_loop(self) -> None:
         """In-progress acks keep held micro-batches from being redelivered while the batch fills or a step runs."""
@@ -137,6 +198,13 @@ class TrainerService(Service):
 
     # --- one micro-batch ------------------------------------------------------------------
     async def _handle(self, msg: Msg) -> None:
+        seq = stream_seq(msg)
+        for i, held in enumerate(self.held):
+            if seq is not None and stream_seq(held) == seq:
+                # Redelivered while its step was still accumulating (a long stall): keep the newest delivery.
+                self.held[i] = msg
+                self.counters["redelivered_held"] += 1
+                return
         try:
             mb = decode(MicroBatch, msg.data)
         except DecodeError as exc:
@@ -146,26 +214,38 @@ class TrainerService(Service):
             await self._reject(msg, f"micro-batch {mb.batch_id} is for model {mb.model!r}, "
                                     f"this trainer trains {self.model!r}")
             return
+        if self.done:
+            if await self._drop(mb.samples, FINISHED, f"{FINISHED}: arrived after train.max_versions "
+                                                      f"({self.train.max_versions})"):
+                await self._safe(msg.ack)
+            return
         samples = await self._without_invalid(msg.subject, mb)
+        if samples is None:
+            return  # stopping before the drop was recorded: the micro-batch comes back
         version = self.learner.version
         f = filter_samples(samples, version, self.train.max_staleness, self.seen)
         if f.stale:
             self.counters["dropped_stale"] += len(f.stale)
-            drop = DropEvent(model=self.model or "", sample_ids=[s.sample_id for s in f.stale],
-                             reason=f"staleness > {self.train.max_staleness} at trainer version {version}",
-                             count=len(f.stale))
-            await self.event("drop", **drop.model_dump(mode="json", exclude={"schema_"}))
+            if not await self._drop(f.stale, "stale", f"staleness > {self.train.max_staleness} at trainer "
+                                                      f"version {version}"):
+                return
         if f.duplicates:
             self.counters["duplicates"] += len(f.duplicates)
         if not f.keep:
-            await self._safe(msg.ack)
+            accumulating = set(self.book.sample_ids)
+            if any(s.sample_id in accumulating for s in f.duplicates):
+                self.held.append(msg)  # a copy of samples of the uncommitted step: acked with that step
+            else:
+                await self._safe(msg.ack)
             return
         t0 = time.perf_counter()
         try:
             await self._torch(self._accumulate, samples, f.keep_idx)
         except (RuntimeError, ValueError, IndexError) as exc:
             self.counters["learner_errors"] += 1
-            await self._reject(msg, f"training on micro-batch {mb.batch_id} failed: {type(exc).__name__}: {exc}")
+            why = f"training on micro-batch {mb.batch_id} failed: {type(exc).__name__}: {exc}"
+            if await self._drop(f.keep, "learner_error", why):
+                await self._reject(msg, why)
             return
         self.book.compute_s += time.perf_counter() - t0
         self.book.add(f.keep, version)
@@ -176,8 +256,18 @@ class TrainerService(Service):
         if self.learner.ready():
             await self._step()
 
-    async def _without_invalid(self, subject: str, mb: MicroBatch) -> list[Sample]:
-        """Samples that cannot be trained go to the DLQ one by one (with the reason); the rest of the batch trains."""
+    async def _drop(self, samples: Sequence[Sample], reason: str, detail: str) -> bool:
+        """Record a drop (before the caller acks); False if the service stopped before it was recorded."""
+        assert self.model is not None
+        ids = [s.sample_id for s in samples]
+        if reason == FINISHED:
+            self.counters["dropped_finished"] += len(ids)
+        drop = DropEvent(model=self.model, sample_ids=ids, reason=detail, count=len(ids))
+        return await self.record("drop", drop.record_id, **drop.model_dump(mode="json", exclude={"schema_"}))
+
+    async def _without_invalid(self, subject: str, mb: MicroBatch) -> list[Sample] | None:
+        """Samples that cannot be trained go to the DLQ one by one (with the reason); the rest of the batch trains.
+        None if the service stopped before their drop was recorded."""
         keep: list[Sample] = []
         bad: list[tuple[Sample, str]] = []
         for s in mb.samples:
@@ -191,9 +281,8 @@ class TrainerService(Service):
             self.counters["dropped_invalid"] += len(bad)
             for s, why in bad:
                 await self.to_dlq(subject, encode(s), why)
-            drop = DropEvent(model=self.model or "", sample_ids=[s.sample_id for s, _ in bad],
-                             reason=f"invalid: {bad[0][1]}", count=len(bad))
-            await self.event("drop", **drop.model_dump(mode="json", exclude={"schema_"}))
+            if not await self._drop([s for s, _ in bad], "invalid", f"invalid: {bad[0][1]}"):
+                return None
         return keep
 
     def _accumulate(self, samples: Sequence[Sample], keep_idx: list[int]) -> float:
@@ -214,23 +303,35 @@ class TrainerService(Service):
         result = await self._torch(self.learner.step)
         if result is None:
             return
+        assert self.model is not None
         step_s = self.book.compute_s + (time.perf_counter() - t0)
+        record = StepRecord(model=self.model, version=result.version, dropped_stale=self.counters["dropped_stale"],
+                            step_seconds=round(step_s, 6), loss=result.loss, **self.book.summary())  # type: ignore[arg-type]
+        line = record.model_dump(mode="json", exclude={"schema_"})
+        fields = {**line, "grad_norm": result.grad_norm,
+                  "adapter_samples": dict(sorted(self.book.adapters.items())), **result.stats}
+        self.recent.add(result.version, self.book.sample_ids)
+        self.book = StepBook()
+        try:
+            ann = await self._commit(fields)
+        except Fenced as exc:
+            self.counters["fenced"] += 1
+            self.log.error("stopping: fenced off by a newer trainer", error=str(exc))
+            self.stop(1)
+            return
+        if ann is None:
+            return  # stopping before the commit: its micro-batches come back to the next trainer
+        await kv_put_int_max(self.kv, self.names.trained_key(self.model), result.version)
+        if not await self._record_step(fields):
+            return  # committed; the restarted trainer records it and acks the redelivered micro-batches
         await asyncio.gather(*(self._safe(m.ack) for m in self.held))
         self.held = []
         await self.nc.flush(timeout=5)
-        assert self.model is not None
-        await kv_put_int_max(self.kv, self.names.trained_key(self.model), result.version)
-        record = StepRecord(model=self.model, version=result.version, dropped_stale=self.counters["dropped_stale"],
-                            step_seconds=round(step_s, 6), loss=result.loss, **self.book.summary())  # type: ignore[arg-type]
-        adapter_samples = dict(sorted(self.book.adapters.items()))
-        self.book = StepBook()
         self.counters["steps"] += 1
-        line = record.model_dump(mode="json", exclude={"schema_"})
         await asyncio.to_thread(append_line, self.metrics_path, json.dumps(line, separators=(",", ":")))
-        await self.event("step", **line, grad_norm=result.grad_norm, adapter_samples=adapter_samples, **result.stats)
         self.log.info("step", version=result.version, samples=result.samples, loss=round(result.loss, 5),
                       reward_mean=round(record.reward_mean, 4))
-        await self._publish_weights()
+        await self._announce(ann)
         every = self.train.checkpoint_every
         if every and result.version % every == 0:
             path = await self._torch(self.learner.save_checkpoint, self.ckpt_dir)
@@ -238,9 +339,13 @@ class TrainerService(Service):
         if result.version >= self.train.max_versions:
             await self._finish()
 
+    async def _record_step(self, fields: dict[str, Any]) -> bool:
+        assert self.model is not None
+        return await self.record("step", f"step.{self.model}.{fields['version']}", **fields)
+
     async def _finish(self) -> None:
         self.done = True
-        self.log.info("max_versions reached; idle until stopped", version=self.learner.version)
+        self.log.info("max_versions reached; later micro-batches are dropped as finished", version=self.learner.version)
         await self.event("done", model=self.model, version=self.learner.version)
 
     # --- weights --------------------------------------------------------------------------
@@ -248,14 +353,34 @@ class TrainerService(Service):
         return flatten(self.model or "", self.learner.version, self.learner.named_tensors(),
                        bucket_bytes=self.source.bucket_bytes, out=out)
 
-    async def _publish_weights(self) -> None:
-        """Flatten the shipped tensors into one bucketed buffer, hand it to the transport, announce it."""
-        assert self.model is not None
+    def _pack(self, record: dict[str, Any] | None) -> bytes:
+        return pack_state(self.learner.state_dict(), record, self.recent)
+
+    async def _commit(self, record: dict[str, Any] | None) -> WeightsAnnounce | None:
+        """Commit the learner's version (retried while the broker is away); None if stopping first. With
+        transport ucx the flat buffer is then held in memory for pulls."""
         header, buf = await self._torch(self._flatten, self.source.spare())
-        object_name = await self.source.publish(header, buf)
-        ann = WeightsAnnounce(model=self.model, version=header.version, transport=self.source.transport,  # type: ignore[arg-type]
-                              object_name=object_name, checksum=header.checksum, nbytes=header.nbytes)
-        await self.nc.publish(self.names.sync_announce(self.model), encode(ann))
+        state = await self._torch(self._pack, record)
+        wait = COMMIT_BACKOFF_S[0]
+        while True:
+            try:
+                ann = await self.commits.commit(header, buf, state, self.source.transport)
+                break
+            except (nats.errors.Error, TimeoutError) as exc:
+                self.counters["commit_retries"] += 1
+                self.log.warning("commit failed; retrying", version=header.version, error=f"{type(exc).__name__}: {exc}")
+                if self.stopping:
+                    return None
+                await asyncio.sleep(wait)
+                wait = min(COMMIT_BACKOFF_S[1], wait * 2)
+        if self.source is not self.commits.weights:
+            await self.source.publish(header, buf)
+        self.counters["commits"] += 1
+        return ann
+
+    async def _announce(self, ann: WeightsAnnounce) -> None:
+        """Tell paramsync (a wake-up: it also reads the commit point in KV, so a lost announce delays nothing)."""
+        await self.nc.publish(self.names.sync_announce(self.model or ""), encode(ann))
         self.counters["weights_published"] += 1
 
     # --- helpers --------------------------------------------------------------------------

@@ -94,7 +94,7 @@ async def test_concurrent_requests_are_batched_together(rollouter: RollouterServ
                 for i in range(6)]
         replies = [decode(GenResponse, m.data) for m in await asyncio.gather(*reqs)]
         assert sorted(r.request_id for r in replies) == [f"c{i}" for i in range(6)]
-        status = await nc.request(f"{rollouter.names.control('rollouter', 'status')}.{MODEL}.0", b"", timeout=5)
+        status = await nc.request(rollouter.names.status("rollouter", MODEL, "0"), b"", timeout=5)
         metrics = json.loads(status.data)
         assert metrics["max_requests_per_batch"] > 1
         assert metrics["batches"] < 6 and metrics["rows_generated"] == 6

@@ -195,12 +195,16 @@ async def test_trainer_steps_publishes_weights_drops_stale_and_rejects_malformed
         assert (cfg.run_dir / "checkpoints" / MODEL / "v2.pt").is_file()
         assert not (cfg.run_dir / "checkpoints" / MODEL / "v3.pt").exists()
 
-        # At max_versions the trainer stays up but takes nothing more.
+        # At max_versions the trainer stays up and trains nothing more: later samples are dropped as finished
+        # (recorded, then acked), so every sample of the run is accounted for.
         await publish_batch(js, names, run_id, "h", version=3)
-        await asyncio.sleep(1.5)
+        await wait_until(lambda: [d for d in watch.kinds("drop") if d["reason"].startswith("finished")],
+                         what="the finished drop")
+        finished = [d for d in watch.kinds("drop") if d["reason"].startswith("finished")][0]
+        assert sorted(finished["sample_ids"]) == [f"h_0_{i}" for i in range(4)]
+        assert svc.counters["dropped_finished"] == 4
         assert await kv_get_int(kv, names.trained_key(MODEL)) == 3
-        info = await js.stream_info(names.ready_stream(MODEL))
-        assert info.state.messages == 1
+        await wait_until(lambda: _messages(js, names.ready_stream(MODEL), 0), what="the ready stream empty")
         assert not task.done()
     finally:
         svc.stop()
@@ -283,6 +287,10 @@ async def test_a_lora_trainer_trains_both_adapters_in_one_step_and_ships_only_ad
         svc.stop()
         assert await asyncio.wait_for(task, 30) == 0
         await nc.close()
+
+
+async def _messages(js: Any, stream: str, n: int) -> bool:
+    return (await js.stream_info(stream)).state.messages == n
 
 
 def _changed(h0: WeightsHeader, b0: bytes, h1: WeightsHeader, b1: bytes) -> list[str]:
