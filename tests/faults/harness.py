@@ -1,0 +1,256 @@
+"""A two-model tiny run as separate processes, with faults injected and the invariants checked at the end.
+
+A fault is SIGKILL of one process (restarted ``restart_after_s`` later, as systemd or Kubernetes would), SIGSTOP
+of one process for longer than its timeouts (then SIGCONT), or either of those on a nats-server node. The harness
+also restarts a process that dies by itself, and counts it: a fault must cost time, never a crash elsewhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from shared.natsserver import NatsCluster, NatsServer
+from tests.conftest import ROOT
+from tests.e2e.cluster import Cluster
+from tests.faults.ledger import Ledger, ModelReport, violations
+
+MODELS = ["solver_lm", "verifier_lm"]
+SERVICE_KINDS = ("coordinator", "actions", "mq", "trainer", "rollouter", "paramsync")
+
+
+def fault_config(tmp_path: Path, run_id: str, *, max_versions: int, replicas: int = 1, concurrency: int = 8,
+                 transport: str = "auto") -> Path:
+    """configs/tiny-chain.yaml with timeouts short enough that a fault shows within seconds."""
+    cfg = yaml.safe_load((ROOT / "configs" / "tiny-chain.yaml").read_text())
+    cfg["run"] = {"id": run_id, "dir": str(tmp_path / "runs"), "seed": 0, "restart_delay_s": 1.0}
+    cfg.pop("nats", None)
+    cfg["nats"] = {"replicas": replicas}
+    for m in cfg["models"].values():
+        m["rollouter"]["request_timeout_s"] = 10.0
+    cfg["workflow"]["concurrency"] = concurrency
+    cfg["train"].update({"max_versions": max_versions, "global_batch": 32, "micro_batch": 16,
+                         "checkpoint_every": 0, "ack_wait_s": 10.0})
+    cfg["paramsync"].update({"transport": transport, "pause_timeout_s": 5.0, "load_timeout_s": 10.0})
+    cfg["peers"] = {"probe_interval_s": 0.5, "probe_timeout_s": 1.0, "misses": 3, "accept_timeout_s": 3.0}
+    cfg["metrics_interval_s"] = 1.0
+    path = tmp_path / f"{run_id}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+@dataclass
+class Broker:
+    """One nats-server, or a three-node cluster; nodes are killed, frozen and restarted by index."""
+
+    nodes: list[NatsServer]
+    cluster: NatsCluster | None = None
+
+    @classmethod
+    def single(cls, store: Path) -> Broker:
+        return cls([NatsServer(store).start()])
+
+    @classmethod
+    def three(cls, store: Path) -> Broker:
+        c = NatsCluster(store, 3).start()
+        return cls(c.nodes, c)
+
+    @property
+    def url(self) -> str:
+        return ",".join(n.url for n in self.nodes)
+
+    def stop(self) -> None:
+        for n in self.nodes:
+            n.stop()
+
+
+@dataclass
+class Fault:
+    """One injected fault: ``target`` is a service kind or ``nats``, ``action`` ``kill`` or ``stop``."""
+
+    target: str
+    action: str
+    at_version: int = 0  # injected once the target model's trained version reaches this
+    model: str = MODELS[0]
+    node: int = 0  # which broker node (target nats)
+    down_s: float = 5.0  # kill: restarted this much later (< 0: never); stop: frozen this long
+    ended_at: float = 0.0  # wall time the process or node was back (restarted, thawed; killed for good: the kill)
+    recovered_s: float = 0.0  # from then until every model trained a sample generated after it
+
+    @property
+    def name(self) -> str:
+        where = f"node {self.node}" if self.target == "nats" else self.target
+        return f"{self.action} {where}"
+
+
+@dataclass
+class Outcome:
+    faults: list[Fault]
+    reports: dict[str, ModelReport]
+    problems: list[str]
+    unexpected_exits: list[str]
+    seconds: float
+    paused: list[str] = field(default_factory=list)
+
+
+class FaultRun:
+    """Runs a config to ``max_versions`` through faults; :meth:`run` returns what happened and what broke."""
+
+    def __init__(self, tmp_path: Path, run_id: str, broker: Broker, config: Path, *, max_versions: int,
+                 seed: int = 0) -> None:
+        self.tmp_path, self.run_id, self.broker, self.config = tmp_path, run_id, broker, config
+        self.max_versions = max_versions
+        self.rng = random.Random(seed)
+        self.cluster = Cluster(config, broker.url, tmp_path / "logs")
+        self.ledger = Ledger(run_id, MODELS, broker.url)
+        self.intended: set[str] = set()  # keys killed on purpose (not unexpected exits)
+        self.unexpected: list[str] = []
+        self.log: list[str] = []
+
+    # --- processes ------------------------------------------------------------------------
+    def _key(self, fault: Fault) -> str:
+        if fault.target in ("coordinator", "actions"):
+            return f"{fault.target}-0"
+        return f"{fault.target}-{fault.model}-0"
+
+    def _start(self, key: str) -> None:
+        service, *rest = key.split("-")
+        if len(rest) == 1:
+            self.cluster.start(service, instance=rest[0])
+        else:
+            self.cluster.start(service, rest[0], rest[1])
+
+    async def _watch_exits(self) -> None:
+        """Restart what dies by itself (after the configured delay), counting it."""
+        while True:
+            await asyncio.sleep(0.5)
+            for c in list(self.cluster.sup.children.values()):
+                if not c.alive() and c.key not in self.intended:
+                    self.unexpected.append(f"{c.key} exited with {c.popen.returncode}: {c.tail(5)}")
+                    self._start(c.key)
+
+    # --- faults ---------------------------------------------------------------------------
+    async def _inject(self, fault: Fault) -> None:
+        before = await self.ledger.trained()
+        self.log.append(f"{time.strftime('%H:%M:%S')} {fault.name} at {before}")
+        if fault.target == "nats":
+            node = self.broker.nodes[fault.node]
+            if fault.action == "kill":
+                node.kill()
+                if fault.down_s >= 0:
+                    await asyncio.sleep(fault.down_s)
+                    node.start()
+            else:
+                node.signal(signal.SIGSTOP)
+                await asyncio.sleep(fault.down_s)
+                node.signal(signal.SIGCONT)
+        else:
+            key = self._key(fault)
+            child = self.cluster.sup.children[key]
+            if fault.action == "kill":
+                self.intended.add(key)
+                child.popen.send_signal(signal.SIGKILL)
+                await asyncio.to_thread(child.popen.wait)
+                await asyncio.sleep(fault.down_s)
+                self._start(key)
+                self.intended.discard(key)
+            else:
+                child.popen.send_signal(signal.SIGSTOP)
+                await asyncio.sleep(fault.down_s)
+                child.popen.send_signal(signal.SIGCONT)
+        fault.ended_at = time.time()
+        # The next fault waits until every model still training committed a version past this one's.
+        await self._until(lambda: self._moved(before), 180, f"training going on after {fault.name}")
+
+    async def _moved(self, before: dict[str, int]) -> bool:
+        now = await self.ledger.trained()
+        return all(now[m] > before[m] or now[m] >= self.max_versions for m in MODELS)
+
+    async def _until(self, cond: Callable[[], Awaitable[bool]], timeout_s: float, what: str) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if await cond():
+                    return
+            except Exception:  # a broker node is down: ask again
+                pass
+            await asyncio.sleep(0.3)
+        raise AssertionError(f"{what} within {timeout_s:.0f}s\n" + "\n".join(self.log) + "\n" + self.cluster.logs())
+
+    async def run(self, faults: list[Fault], *, timeout_s: float = 420.0) -> Outcome:
+        t0 = time.monotonic()
+        await self.ledger.start()
+        self.cluster.start_all(MODELS)
+        watcher = asyncio.create_task(self._watch_exits())
+        try:
+            for fault in faults:
+                if fault.target not in SERVICE_KINDS + ("nats",):
+                    raise ValueError(f"unknown fault target {fault.target!r}")
+                model = fault.model if fault.target != "nats" else MODELS[0]
+                await self._until(lambda m=model, v=fault.at_version: self._reached(m, v), timeout_s,
+                                  f"{model} reaching v{fault.at_version} before {fault.name}")
+                await self._inject(fault)
+            await self._until(lambda: self._reached_all(self.max_versions), timeout_s, "the run finishing")
+            # Samples of tasks still in flight are dropped as finished; then the streams run empty.
+            await self._until(self._quiet, 120, "the streams emptying after the run")
+            paused = await self.ledger.paused_instances({m: 1 for m in MODELS})
+            reports = await self.ledger.report()
+            for fault in faults:
+                fault.recovered_s = self.ledger.loop_turned(fault.ended_at)
+        finally:
+            watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
+            await self.cluster.stop_all()
+            await self.ledger.close()
+        problems = violations(reports, self.max_versions)
+        problems += [f"rollouter {p}" for p in paused]
+        problems += [f"fault {f.name} never recovered" for f in faults if f.recovered_s == float("inf")]
+        return Outcome(faults, reports, problems, self.unexpected, round(time.monotonic() - t0, 1), paused)
+
+    async def _reached(self, model: str, version: int) -> bool:
+        return (await self.ledger.trained())[model] >= version
+
+    async def _reached_all(self, version: int) -> bool:
+        return all(v >= version for v in (await self.ledger.trained()).values())
+
+    async def _quiet(self) -> bool:
+        """Nothing left in the streams, twice in a row 1 s apart (in-flight tasks publish their last samples)."""
+        if await self.ledger.stream_messages():
+            return False
+        await asyncio.sleep(1.0)
+        return await self.ledger.stream_messages() == 0
+
+
+def table(outcomes: list[tuple[str, Outcome]]) -> str:
+    """The cases as a Markdown table: samples published / stored / trained / dropped, regressions, recovery."""
+    rows = ["| case | published | stored | trained | dropped (reasons) | missing | trained twice | version "
+            "regression | loop back after (s) | unexpected exits | run s | invariants |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, o in outcomes:
+        rs = o.reports.values()
+        dropped: dict[str, int] = {}
+        for r in rs:
+            for k, v in r.dropped.items():
+                dropped[k] = dropped.get(k, 0) + v
+        reasons = ", ".join(f"{k} {v}" for k, v in sorted(dropped.items())) or "-"
+        rows.append(
+            f"| {name} | {sum(r.published for r in rs)} | {sum(r.stored for r in rs)} | "
+            f"{sum(r.trained for r in rs)} | {sum(dropped.values())} ({reasons}) | "
+            f"{sum(len(r.missing) for r in rs)} | {sum(len(r.trained_twice) for r in rs)} | "
+            f"{max(max(r.served_regression, r.trained_regression) for r in rs)} | "
+            f"{', '.join(str(f.recovered_s) for f in o.faults)} | {len(o.unexpected_exits)} | {o.seconds} | "
+            f"{'hold' if not o.problems else 'BROKEN'} |")
+    return "\n".join(rows)
+
+
+def describe(outcome: Outcome) -> dict[str, Any]:
+    return {"problems": outcome.problems, "unexpected_exits": outcome.unexpected_exits,
+            "faults": [(f.name, f.recovered_s) for f in outcome.faults]}

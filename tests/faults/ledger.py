@@ -1,0 +1,245 @@
+"""What a fault run must keep: every published sample trained exactly once or dropped with a reason, versions
+that never go back, a run that completes and no rollouter left paused. Read from the bus, as an operator would.
+
+Published samples are seen on ``traj.<model>`` (a core subscription) and counted by the traj stream's last
+sequence; trained and dropped ones come from the events stream, where the trainer and mq write their step and
+drop records before they acknowledge anything, so a record is never lost with the process that wrote it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import nats
+import nats.errors
+from nats.aio.client import Client as NATS
+from nats.js import api as jsapi
+
+from shared.bus import kv_get_int
+from shared.codec import DecodeError, decode, encode
+from shared.schemas import RolloutControl, RolloutControlReply, Sample
+from shared.subjects import Names
+
+
+@dataclass
+class ModelReport:
+    """One model's account of a run."""
+
+    published: int = 0  # sample ids seen published on traj.<model>
+    stored: int = 0  # messages the traj stream ever stored (its last sequence)
+    trained: int = 0  # distinct sample ids in step records
+    dropped: Counter[str] = field(default_factory=Counter)  # reason -> distinct sample ids
+    missing: list[str] = field(default_factory=list)  # published, neither trained nor dropped
+    trained_twice: list[str] = field(default_factory=list)  # in the records of two versions
+    conflicting_versions: list[int] = field(default_factory=list)  # two different records of one version
+    versions: list[int] = field(default_factory=list)  # versions with a step record
+    served_regression: int = 0  # largest drop of the served version seen in KV
+    trained_regression: int = 0  # largest drop of the trained version seen in KV
+    last_trained: int = 0
+
+    @property
+    def accounted(self) -> int:
+        return self.trained + sum(self.dropped.values())
+
+
+class Ledger:
+    """Watches one run from its own connection; :meth:`report` reads the records and checks the invariants."""
+
+    def __init__(self, run_id: str, models: list[str], url: str) -> None:
+        self.names = Names(run_id)
+        self.models = models
+        self.url = url
+        self.published: dict[str, set[str]] = {m: set() for m in models}
+        self.published_at: dict[str, float] = {}  # sample id -> wall time it was seen published
+        self.steps: dict[str, list[tuple[float, list[str]]]] = {m: [] for m in models}  # (time, ids) per record
+        self.seen: dict[str, dict[str, int]] = {m: {"served": 0, "trained": 0} for m in models}
+        self.regression: dict[str, dict[str, int]] = {m: {"served": 0, "trained": 0} for m in models}
+        self.nc: NATS | None = None
+        self._poll: asyncio.Task[None] | None = None
+
+    async def start(self) -> Ledger:
+        self.nc = await nats.connect(self.url.split(",")[0], max_reconnect_attempts=-1, reconnect_time_wait=0.2)
+        for m in self.models:
+            await self.nc.subscribe(self.names.traj(m), cb=self._on_sample)
+        self._poll = asyncio.create_task(self._poll_versions())
+        return self
+
+    async def close(self) -> None:
+        if self._poll is not None:
+            self._poll.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._poll
+        if self.nc is not None:
+            with contextlib.suppress(Exception):
+                await self.nc.close()
+
+    async def _on_sample(self, msg: Any) -> None:
+        with contextlib.suppress(DecodeError):
+            s = decode(Sample, msg.data)
+            if s.model in self.published:
+                self.published[s.model].add(s.sample_id)
+                self.published_at.setdefault(s.sample_id, time.time())
+
+    async def _poll_versions(self) -> None:
+        """Served and trained versions from KV every 0.2 s: neither may ever go down."""
+        assert self.nc is not None
+        js = self.nc.jetstream(timeout=5)
+        kv = None
+        while True:
+            await asyncio.sleep(0.2)
+            try:
+                kv = kv or await js.key_value(self.names.kv_bucket)
+                for m in self.models:
+                    for what, key in (("served", Names.version_key(m)), ("trained", Names.trained_key(m))):
+                        v = await kv_get_int(kv, key, -1)
+                        if v < 0:
+                            continue
+                        seen = self.seen[m][what]
+                        self.regression[m][what] = max(self.regression[m][what], seen - v)
+                        self.seen[m][what] = max(seen, v)
+            except (nats.errors.Error, TimeoutError, ValueError):
+                continue  # the broker is down or failing over: read again later
+
+    async def trained(self) -> dict[str, int]:
+        assert self.nc is not None
+        kv = await self.nc.jetstream(timeout=5).key_value(self.names.kv_bucket)
+        return {m: await kv_get_int(kv, Names.trained_key(m)) for m in self.models}
+
+    async def stream_messages(self) -> int:
+        """Messages left in the run's traj and ready streams."""
+        assert self.nc is not None
+        js = self.nc.jetstream(timeout=5)
+        total = 0
+        for m in self.models:
+            for stream in (self.names.traj_stream(m), self.names.ready_stream(m)):
+                total += (await js.stream_info(stream)).state.messages
+        return total
+
+    async def paused_instances(self, instances: dict[str, int]) -> list[str]:
+        """Rollouter instances (``model -> count``) that say they are paused, or do not answer."""
+        assert self.nc is not None
+        out = []
+        for m, n in instances.items():
+            for i in range(n):
+                subject = self.names.rollout_control(m, str(i), "info")
+                try:
+                    msg = await self.nc.request(subject, encode(RolloutControl(verb="info")), timeout=5)
+                    if decode(RolloutControlReply, msg.data).paused:
+                        out.append(f"{m}/{i}: paused")
+                except (nats.errors.Error, TimeoutError, DecodeError) as exc:
+                    out.append(f"{m}/{i}: {type(exc).__name__}")
+        return out
+
+    async def records(self) -> list[dict[str, Any]]:
+        """Every record of the events stream (steps, drops and the rest), read with a consumer deleted after."""
+        assert self.nc is not None
+        js = self.nc.jetstream(timeout=10)
+        stream = self.names.events_stream()
+        name = f"ledger_{int(time.time() * 1000)}"
+        sub = await js.pull_subscribe(
+            self.names.events_all(), stream=stream,
+            config=jsapi.ConsumerConfig(name=name, ack_policy=jsapi.AckPolicy.NONE,
+                                        deliver_policy=jsapi.DeliverPolicy.ALL, inactive_threshold=60),
+        )
+        out: list[dict[str, Any]] = []
+        try:
+            last = (await js.stream_info(stream)).state.last_seq
+            while True:
+                try:
+                    msgs = await sub.fetch(500, timeout=2)
+                except (nats.errors.TimeoutError, TimeoutError):
+                    break
+                for msg in msgs:
+                    with contextlib.suppress(ValueError):
+                        out.append(json.loads(msg.data))
+                if msgs and msgs[-1].metadata.sequence.stream >= last:
+                    break
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+            with contextlib.suppress(Exception):
+                await js.delete_consumer(stream, name)
+        return out
+
+    def loop_turned(self, since: float) -> float:
+        """Seconds from wall time ``since`` until every model committed a step with a sample published after
+        ``since``: the whole loop (generation, rewards, mq, training, commit) worked again. Needs :meth:`report`
+        first; inf if some model never did."""
+        worst = 0.0
+        for recs in self.steps.values():
+            times = [t for t, ids in recs if t > since and any(self.published_at.get(i, 0.0) > since for i in ids)]
+            worst = max(worst, min(times, default=float("inf")) - since)
+        return round(worst, 1)
+
+    async def report(self) -> dict[str, ModelReport]:
+        """Check every invariant per model from the records."""
+        assert self.nc is not None
+        js = self.nc.jetstream(timeout=10)
+        records = await self.records()
+        trained_at: dict[str, dict[str, set[int]]] = {m: defaultdict(set) for m in self.models}
+        steps: dict[str, dict[int, list[str]]] = {m: {} for m in self.models}
+        out = {m: ModelReport() for m in self.models}
+        dropped: dict[str, dict[str, str]] = {m: {} for m in self.models}
+        for rec in records:
+            m = rec.get("model")
+            if m not in out:
+                continue
+            if rec.get("kind") == "step":
+                v, ids = int(rec["version"]), sorted(rec["sample_ids"])
+                if v in steps[m] and steps[m][v] != ids:
+                    out[m].conflicting_versions.append(v)
+                steps[m][v] = ids
+                self.steps[m].append((float(rec.get("time") or 0.0), ids))
+                for sid in ids:
+                    trained_at[m][sid].add(v)
+            elif rec.get("kind") == "drop":
+                reason = str(rec.get("reason") or "")
+                for sid in rec.get("sample_ids") or []:
+                    dropped[m].setdefault(sid, _reason(reason))
+        for m, r in out.items():
+            r.published = len(self.published[m])
+            r.stored = (await js.stream_info(self.names.traj_stream(m))).state.last_seq
+            r.trained = len(trained_at[m])
+            r.trained_twice = sorted(sid for sid, vs in trained_at[m].items() if len(vs) > 1)
+            for sid, reason in dropped[m].items():
+                if sid not in trained_at[m]:
+                    r.dropped[reason] += 1
+            r.missing = sorted(self.published[m] - set(trained_at[m]) - set(dropped[m]))
+            r.versions = sorted(steps[m])
+            r.served_regression = self.regression[m]["served"]
+            r.trained_regression = self.regression[m]["trained"]
+            r.last_trained = self.seen[m]["trained"]
+        return out
+
+
+def violations(reports: dict[str, ModelReport], max_versions: int) -> list[str]:
+    """Every broken invariant, as readable lines (empty: the run kept them all)."""
+    out = []
+    for m, r in reports.items():
+        if r.missing:
+            out.append(f"{m}: {len(r.missing)} published samples neither trained nor dropped, e.g. {r.missing[:3]}")
+        if r.trained_twice:
+            out.append(f"{m}: {len(r.trained_twice)} samples trained twice, e.g. {r.trained_twice[:3]}")
+        if r.conflicting_versions:
+            out.append(f"{m}: versions recorded twice with different samples: {r.conflicting_versions[:5]}")
+        if r.versions != list(range(1, max_versions + 1)):
+            gaps = sorted(set(range(1, max_versions + 1)) - set(r.versions))
+            out.append(f"{m}: step records cover {len(r.versions)} of versions 1..{max_versions} (missing {gaps[:5]})")
+        if r.served_regression or r.trained_regression:
+            out.append(f"{m}: versions went back (served by {r.served_regression}, trained by {r.trained_regression})")
+        if r.accounted != r.stored:
+            out.append(f"{m}: {r.stored} samples stored in the traj stream, {r.accounted} trained or dropped")
+    return out
+
+
+def _reason(text: str) -> str:
+    """The kind of a drop reason: mq's are single words, the trainer's start with one
+    ("staleness > 2 at trainer version 7", "finished: ...")."""
+    word = text.split(":")[0].split(" ")[0] or "?"
+    return "stale" if word == "staleness" else word

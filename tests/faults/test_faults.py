@@ -1,0 +1,68 @@
+"""Fault injection: kill or freeze any one process or broker node mid-run; the run completes, nothing is lost.
+
+``make test`` runs the short form: one run in which every service kind and the nats-server are SIGKILLed in
+turn. ``make faults`` runs every case on its own run: SIGKILL and SIGSTOP of each service kind, of the
+nats-server, and SIGKILL of one node of a three-node cluster with ``nats.replicas: 3``; it prints the table of
+cases and writes it to ``runs/faults/report.md``.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tests.faults.harness import MODELS, SERVICE_KINDS, Broker, Fault, FaultRun, describe, fault_config, table
+
+FREEZE_S = 20.0  # longer than every timeout of the fault config (requests 10 s, ack waits 10 and 15 s)
+
+
+async def test_every_service_kind_and_the_broker_killed_in_one_run(tmp_path, run_id, fault_table):
+    faults = [Fault("trainer", "kill", 4, MODELS[0]), Fault("paramsync", "kill", 8, MODELS[1]),
+              Fault("mq", "kill", 12, MODELS[0]), Fault("rollouter", "kill", 16, MODELS[1]),
+              Fault("coordinator", "kill", 20), Fault("actions", "kill", 24), Fault("nats", "kill", 28)]
+    broker = Broker.single(tmp_path / "nats")
+    try:
+        config = fault_config(tmp_path, run_id, max_versions=36)
+        outcome = await FaultRun(tmp_path, run_id, broker, config, max_versions=36).run(faults)
+    finally:
+        broker.stop()
+    fault_table.append(("every kind, then nats-server, killed in one run", outcome))
+    print(table([("gauntlet", outcome)]))
+    assert not outcome.problems, describe(outcome)
+    assert not outcome.unexpected_exits, describe(outcome)
+    for r in outcome.reports.values():
+        assert r.trained > 0 and r.published > 0
+
+
+CASES = [*((kind, action) for kind in SERVICE_KINDS for action in ("kill", "stop")),
+         ("nats", "kill"), ("nats", "stop"), ("cluster-node", "kill")]
+
+
+@pytest.mark.full
+@pytest.mark.parametrize(("target", "action"), CASES, ids=[f"{a}-{t}" for t, a in CASES])
+async def test_one_fault_at_a_random_point(target, action, tmp_path, run_id, fault_table):
+    rng = random.Random(f"{target}-{action}")
+    max_versions = 30
+    model = rng.choice(MODELS)
+    at = rng.randint(4, 16)
+    clustered = target == "cluster-node"
+    broker = Broker.three(tmp_path / "nats") if clustered else Broker.single(tmp_path / "nats")
+    if clustered:  # one node goes for good: the other two keep the quorum of every stream
+        fault = Fault("nats", "kill", at, node=rng.randrange(3), down_s=-1)
+    elif target == "nats":
+        fault = Fault("nats", action, at, down_s=5.0 if action == "kill" else FREEZE_S)
+    else:
+        fault = Fault(target, action, at, model, down_s=5.0 if action == "kill" else FREEZE_S)
+    try:
+        config = fault_config(tmp_path, run_id, max_versions=max_versions, replicas=3 if clustered else 1)
+        outcome = await FaultRun(tmp_path, run_id, broker, config, max_versions=max_versions,
+                                 seed=at).run([fault])
+    finally:
+        broker.stop()
+    name = f"{action} {target}" + (f" ({fault.model})" if target in ("mq", "trainer", "rollouter", "paramsync")
+                                   else "")
+    fault_table.append((name, outcome))
+    print(table([(name, outcome)]))
+    assert not outcome.problems, describe(outcome)
+    assert not outcome.unexpected_exits, describe(outcome)
