@@ -73,17 +73,23 @@ def serve(
 
 @app.command()
 def up(
-    config: Annotated[Path, typer.Argument(help="run config YAML")],
+    config: Annotated[Path | None, typer.Argument(help="run config YAML (leave out with --resume)")] = None,
     timeout_s: Annotated[float | None, typer.Option("--timeout-s", help="fail if not finished in time")] = None,
+    resume: Annotated[Path | None, typer.Option(
+        "--resume", help="continue the run in this directory (runs/<run-id>) after it was stopped or killed")] = None,
 ) -> None:
-    """Run a whole config on this machine until every model reaches train.max_versions."""
+    """Run a whole config on this machine until every model reaches train.max_versions, or resume a run."""
     import uvloop
 
     from shared.supervisor import run_up
 
+    if (config is None) == (resume is None):
+        err.print("[red]error:[/] give either a config (chorus up CONFIG) or a run directory to continue "
+                  "(chorus up --resume runs/<run-id>)")
+        raise typer.Exit(2)
     setup_logging(json=False, level="ERROR")  # the progress view is the output; client reconnect chatter is not
     try:
-        code = uvloop.run(run_up(config, timeout_s=timeout_s, console=console))
+        code = uvloop.run(run_up(config, timeout_s=timeout_s, console=console, resume=resume))
     except ConfigError as exc:
         err.print(f"[red]error:[/] {exc}", highlight=False)
         raise typer.Exit(2) from None

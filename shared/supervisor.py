@@ -1,5 +1,7 @@
 """``chorus up``: one run on one machine. Starts nats-server (unless configured), every service as its own
-OS process, supervises them, shows progress, stops everything cleanly and summarises the run."""
+OS process, supervises them (a service that exits unexpectedly is restarted, a crash loop stops the run),
+shows progress, stops everything cleanly and summarises the run. ``--resume`` continues a run directory after
+the whole run was killed: the embedded server comes back on its store, every service from what it finds there."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import ctypes
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -27,13 +30,14 @@ from rich.table import Table
 
 from shared.bus import connect, ensure_run, kv_get_int
 from shared.codec import DecodeError, decode_json
-from shared.config import ChorusConfig, load_config
+from shared.config import ChorusConfig, ConfigError, load_config
 from shared.natsserver import NatsServer
 from shared.plotting import eval_table_rows, load_evals, plot_run, summarize
 from shared.progress import ProgressView, RunTracker
 from shared.subjects import Names
 
 STOP_GRACE_S = 20.0
+DRAIN_GRACE_S = 10.0  # the coordinator finishes the episodes in hand before it stops
 READY_TIMEOUT_S = 120.0
 _PR_SET_PDEATHSIG = 1
 
@@ -100,6 +104,7 @@ class Supervisor:
     log_dir: Path
     env: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
     children: dict[str, Child] = field(default_factory=dict)
+    stopped: dict[str, Child] = field(default_factory=dict)  # stopped one by one (stop_one) before the end
     stopping: bool = False
 
     def start(self, key: str, argv: Sequence[str]) -> Child:
@@ -119,6 +124,24 @@ class Supervisor:
             return []
         return [c for c in self.children.values() if not c.alive()]
 
+    def restart(self, child: Child) -> Child:
+        """Start an exited child again with the same command line (its log goes on in the same file)."""
+        return self.start(child.key, child.argv)
+
+    async def stop_one(self, key: str, grace_s: float = STOP_GRACE_S) -> int:
+        """SIGTERM one child while the others run on (it is not restarted), SIGKILL after ``grace_s``."""
+        child = self.children.pop(key)
+        if child.alive():
+            with contextlib.suppress(ProcessLookupError):
+                child.popen.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(asyncio.to_thread(child.popen.wait), grace_s)
+            except TimeoutError:
+                child.popen.kill()
+                await asyncio.to_thread(child.popen.wait)
+        self.stopped[key] = child
+        return int(child.popen.returncode)
+
     async def stop_all(self, grace_s: float = STOP_GRACE_S) -> dict[str, int]:
         """SIGTERM every child, wait up to ``grace_s``, SIGKILL the rest; returns exit codes per key."""
         self.stopping = True
@@ -134,7 +157,7 @@ class Supervisor:
                 with contextlib.suppress(ProcessLookupError):
                     c.popen.kill()
                 await asyncio.to_thread(c.popen.wait)
-        return {k: int(c.popen.returncode) for k, c in self.children.items()}
+        return {k: int(c.popen.returncode) for k, c in {**self.stopped, **self.children}.items()}
 
 
 @contextlib.contextmanager
@@ -179,12 +202,67 @@ def _ready(answers: list[dict[str, Any]], expected: Counter[str]) -> bool:
     return all(seen[svc] >= n for svc, n in expected.items())
 
 
+@dataclass
+class Restarts:
+    """When a child that exited is started again, and when exits come too fast to be a passing fault."""
+
+    max_restarts: int
+    window_s: float
+    delay_s: float
+    times: dict[str, list[float]] = field(default_factory=dict)  # key -> exit times within the window
+    due: dict[str, float] = field(default_factory=dict)  # key -> when to start it again
+
+    def exited(self, key: str, now: float) -> bool:
+        """Note an exit; False when it is one exit too many (a crash loop)."""
+        recent = [t for t in self.times.get(key, []) if now - t <= self.window_s] + [now]
+        self.times[key] = recent
+        if len(recent) > self.max_restarts:
+            return False
+        self.due[key] = now + self.delay_s
+        return True
+
+    def ready(self, now: float) -> list[str]:
+        """Keys whose restart is due; each is returned once."""
+        keys = [k for k, t in self.due.items() if t <= now]
+        for k in keys:
+            del self.due[k]
+        return keys
+
+
 def resolve_run(config_path: Path) -> ChorusConfig:
     """Load the config with a unique run id (``<run.id>-<YYYYmmdd-HHMMSS>``) and an absolute run dir."""
     base = load_config(config_path)
     overrides = {"CHORUS_RUN__ID": unique_run_id(base.run.id), "CHORUS_RUN__DIR": str(base.run.dir.resolve())}
     with env_override(**overrides):
         return load_config(config_path)
+
+
+def resume_run(run_dir: Path) -> tuple[ChorusConfig, bool]:
+    """The config of a run directory written by ``chorus up``, and whether its broker was the embedded one
+    (its store is ``<run_dir>/nats``)."""
+    config_file = run_dir / "config.yaml"
+    if not config_file.is_file():
+        raise ConfigError(f"{run_dir} has no config.yaml: --resume takes a run directory that `chorus up` wrote "
+                          "(runs/<run-id>)")
+    cfg = load_config(config_file)
+    return cfg, (run_dir / "nats" / "jetstream").is_dir()
+
+
+def _port_of(url: str | None) -> int | None:
+    try:
+        port = int(str(url).rsplit(":", 1)[1])
+    except (IndexError, ValueError):
+        return None
+    return port if _port_free(port) else None
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def child_env(cfg: ChorusConfig) -> dict[str, str]:
@@ -195,19 +273,30 @@ def child_env(cfg: ChorusConfig) -> dict[str, str]:
             "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
 
 
-async def run_up(config_path: Path, *, timeout_s: float | None = None, console: Console | None = None) -> int:
-    """Run a whole config to ``train.max_versions``. Exit code: 0 done, 1 failure/timeout, 130 interrupted."""
+async def run_up(config_path: Path | None, *, timeout_s: float | None = None, console: Console | None = None,
+                 resume: Path | None = None) -> int:
+    """Run a whole config to ``train.max_versions``, or continue the run in directory ``resume``.
+    Exit code: 0 done, 1 failure/timeout, 130 interrupted."""
     console = console or Console()
-    cfg = resolve_run(config_path)
+    embedded = False
+    if resume is not None:
+        cfg, embedded = resume_run(resume)
+        console.print(f"resuming run [bold]{cfg.run.id}[/] in {cfg.run_dir}")
+    else:
+        assert config_path is not None
+        cfg = resolve_run(config_path)
+        embedded = not cfg.nats.url
+        console.print(f"run [bold]{cfg.run.id}[/] in {cfg.run_dir}")
     names = Names(cfg.run.id)
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
-    console.print(f"run [bold]{cfg.run.id}[/] in {run_dir}")
     server: NatsServer | None = None
     url = cfg.nats.url
-    if not url:
-        server = NatsServer(run_dir / "nats", max_payload_mb=cfg.nats.max_payload_mb)
-        await asyncio.to_thread(server.start)
+    if embedded:
+        # Started from this (the main) thread: it dies with `chorus up` however that ends.
+        server = NatsServer(run_dir / "nats", max_payload_mb=cfg.nats.max_payload_mb,
+                            port=_port_of(url) if resume is not None else None)
+        server.start()
         url = server.url
         console.print(f"embedded nats-server at {url} (log {server.log_file})")
     cfg.nats.url = url  # so that `chorus status --config <run_dir>/config.yaml` finds the live run
@@ -250,6 +339,8 @@ async def run_up(config_path: Path, *, timeout_s: float | None = None, console: 
         code = await _supervise(cfg, nc, kv, sup, tracker, config_file, url, stop, timeout_s, console)
         if code == 0 and cfg.eval.every:
             code = await _await_last_eval(evals, cfg.eval.final_timeout_s, stop, console)
+        if code == 0:
+            await _settle(cfg, nc, sup, console)
         if code == 130 and signals and signals[-1] == signal.SIGTERM:
             code = 143
     finally:
@@ -289,6 +380,7 @@ async def _supervise(cfg: ChorusConfig, nc: NATS, kv: KeyValue, sup: Supervisor,
                      config_file: Path, url: str, stop: asyncio.Event, timeout_s: float | None,
                      console: Console) -> int:
     plan = plan_services(cfg)
+    restarts = Restarts(cfg.run.max_restarts, cfg.run.restart_window_s, cfg.run.restart_delay_s)
     first, last = [s for s in plan if s.service != "coordinator"], [s for s in plan if s.service == "coordinator"]
     for spec in first:
         sup.start(spec.key, spec.argv(config_file, url))
@@ -300,12 +392,20 @@ async def _supervise(cfg: ChorusConfig, nc: NATS, kv: KeyValue, sup: Supervisor,
     next_kv = 0.0
     with Live(view.progress, console=console, refresh_per_second=4, transient=False):
         while True:
-            dead = sup.exited()
-            if dead:
-                for c in dead:
-                    console.print(f"[red]service {c.key} exited unexpectedly with code {c.popen.returncode}; "
-                                  f"last lines of {c.log}:[/]\n{c.tail()}")
-                return 1
+            now = time.monotonic()
+            for c in sup.exited():
+                if c.key in restarts.due:
+                    continue  # already waiting for its restart
+                if not restarts.exited(c.key, now):
+                    console.print(f"[red]service {c.key} exited unexpectedly with code {c.popen.returncode}, "
+                                  f"{len(restarts.times[c.key])} times within {cfg.run.restart_window_s:.0f}s "
+                                  f"(run.max_restarts {cfg.run.max_restarts}); last lines of {c.log}:[/]\n{c.tail()}")
+                    return 1
+                console.print(f"[yellow]service {c.key} exited unexpectedly with code {c.popen.returncode}; "
+                              f"restarting it in {cfg.run.restart_delay_s:g}s (last lines of {c.log}):[/]\n"
+                              f"{c.tail(5)}")
+            for key in restarts.ready(now):
+                sup.restart(sup.children[key])
             if stop.is_set():
                 console.print("[yellow]interrupted")
                 return 130
@@ -331,6 +431,31 @@ async def _supervise(cfg: ChorusConfig, nc: NATS, kv: KeyValue, sup: Supervisor,
                 return 0
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), 0.5)
+
+
+SETTLE_S = 30.0  # how long a finished run waits for its streams to empty
+
+
+async def _settle(cfg: ChorusConfig, nc: NATS, sup: Supervisor, console: Console) -> None:
+    """Close the books of a finished run: stop the coordinator (it publishes the samples of the tasks it has in
+    hand), then wait until mq and the trainers have dropped what is left in the streams as finished, so every
+    sample the run published is trained or recorded as dropped."""
+    names = Names(cfg.run.id)
+    for key in [k for k in sup.children if k.startswith("coordinator-")]:
+        await sup.stop_one(key, STOP_GRACE_S + DRAIN_GRACE_S)
+    js = nc.jetstream(timeout=5.0)
+    streams = [s for m in cfg.models for s in (names.traj_stream(m), names.ready_stream(m))]
+    deadline = time.monotonic() + SETTLE_S
+    left = -1
+    while time.monotonic() < deadline:
+        try:
+            left = sum([(await js.stream_info(s)).state.messages for s in streams])
+        except Exception:  # noqa: BLE001 - the books are best effort once the run is done
+            left = -1
+        if left == 0:
+            return
+        await asyncio.sleep(0.5)
+    console.print(f"[yellow]{left} messages still in the streams after {SETTLE_S:.0f}s; stopping anyway")
 
 
 def _report(run_dir: Path, console: Console) -> None:

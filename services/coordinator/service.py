@@ -93,11 +93,14 @@ class CoordinatorService(Service):
         self.spawn(self._version_loop(), "versions")
         self.heldout = heldout_tasks(cfg.task, cfg.eval.tasks, cfg.run.seed) if cfg.eval.every else []
         self._loops: list[asyncio.Task[None]] = []
-        if self.heldout:
+        resumed = any(v > 0 for v in self.served.values())  # a restarted coordinator, or a resumed run
+        if self.heldout and not resumed:
             # The "before" evaluation runs on version-0 weights: no task is admitted until it is done.
             self.spawn(self._eval_loop(), "eval")
         else:
             self._start_loops()
+            if self.heldout:
+                self.spawn(self._eval_loop(first=False), "eval")
 
     def _start_loops(self) -> None:
         self._loops = [self.spawn(self._task_loop(), f"loop{k}") for k in range(self.cfg.workflow.concurrency)]
@@ -206,13 +209,18 @@ class CoordinatorService(Service):
         await asyncio.to_thread(append_line, self.cfg.run_dir / "metrics.jsonl", json.dumps(rec, separators=(",", ":")))
         await self.event("eval", **{k: v for k, v in rec.items() if k != "kind"})
 
-    async def _eval_loop(self) -> None:
-        """Evaluate at version 0, then each time every model has moved ``eval.every`` versions, then once more
-        when the training budget is spent and the last weights are served."""
+    async def _eval_loop(self, first: bool = True) -> None:
+        """Evaluate at version 0 (``first``; a restarted coordinator goes on from the served version), then each
+        time every model has moved ``eval.every`` versions, then once more when the training budget is spent and
+        the last weights are served."""
         cfg = self.cfg
-        await self._evaluate(final=False)
-        self._start_loops()
         done_at = 0
+        if first:
+            await self._evaluate(final=False)
+            self._start_loops()
+        else:
+            served = min(self.served.values(), default=0)
+            done_at = served - served % cfg.eval.every
         while not self.stopping:
             served = min(self.served.values(), default=0)
             if self.admission.budget_spent and served >= cfg.train.max_versions:

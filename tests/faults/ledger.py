@@ -64,7 +64,7 @@ class Ledger:
         self._poll: asyncio.Task[None] | None = None
 
     async def start(self) -> Ledger:
-        self.nc = await nats.connect(self.url.split(",")[0], max_reconnect_attempts=-1, reconnect_time_wait=0.2)
+        self.nc = await nats.connect(servers=self.url.split(","), max_reconnect_attempts=-1, reconnect_time_wait=0.2)
         for m in self.models:
             await self.nc.subscribe(self.names.traj(m), cb=self._on_sample)
         self._poll = asyncio.create_task(self._poll_versions())
@@ -168,11 +168,13 @@ class Ledger:
         return out
 
     def loop_turned(self, since: float) -> float:
-        """Seconds from wall time ``since`` until every model committed a step with a sample published after
-        ``since``: the whole loop (generation, rewards, mq, training, commit) worked again. Needs :meth:`report`
-        first; inf if some model never did."""
+        """Seconds from wall time ``since`` until every model still training then committed a step with a sample
+        published after ``since``: the whole loop (generation, rewards, mq, training, commit) worked again.
+        Needs :meth:`report` first; inf if some model trained on but never did."""
         worst = 0.0
         for recs in self.steps.values():
+            if not any(t > since for t, _ in recs):
+                continue  # the model had finished already
             times = [t for t, ids in recs if t > since and any(self.published_at.get(i, 0.0) > since for i in ids)]
             worst = max(worst, min(times, default=float("inf")) - since)
         return round(worst, 1)

@@ -1,0 +1,65 @@
+"""A long run at high concurrency keeps training and holds a flat number of JetStream consumers.
+
+Every weight sync used to leave a KV-watch consumer behind for minutes; at 1000 consumers nats-server refuses
+new ones and every sync fails. ``make test`` runs one minute of it, ``make faults`` five.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import nats
+import pytest
+
+from shared.bus import kv_get_int, run_consumers
+from shared.subjects import Names
+from tests.e2e.cluster import Cluster
+from tests.faults.harness import MODELS, Broker, fault_config
+
+SAMPLE_S = 5.0
+
+
+@pytest.mark.parametrize("minutes", [pytest.param(1.0, id="1min"), pytest.param(5.0, id="5min", marks=pytest.mark.full)])
+async def test_the_tiny_run_at_concurrency_64_keeps_training_with_a_flat_consumer_count(minutes, tmp_path, run_id):
+    broker = Broker.single(tmp_path / "nats")
+    config = fault_config(tmp_path, run_id, max_versions=10_000_000, concurrency=64)
+    cluster = Cluster(config, broker.url, tmp_path / "logs")
+    names = Names(run_id)
+    nc = await nats.connect(broker.url)
+    samples: list[tuple[float, dict[str, int], int]] = []  # (seconds, trained per model, consumers)
+    try:
+        cluster.start_all(MODELS)
+        js = nc.jetstream()
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < minutes * 60:
+            await asyncio.sleep(SAMPLE_S)
+            assert not cluster.dead(), f"a service died\n{cluster.logs()}"
+            try:
+                kv = await js.key_value(names.kv_bucket)
+            except Exception:  # noqa: BLE001 - the services create it on start
+                continue
+            trained = {m: await kv_get_int(kv, Names.trained_key(m)) for m in MODELS}
+            consumers = sum((await run_consumers(js, names, MODELS)).values())
+            samples.append((time.monotonic() - t0, trained, consumers))
+    finally:
+        codes = await cluster.stop_all()
+        await nc.close()
+        broker.stop()
+    print("\nseconds  " + "  ".join(MODELS) + "  consumers")
+    for t, trained, consumers in samples:
+        print(f"{t:7.0f}  " + "  ".join(f"{trained[m]:>{len(m)}}" for m in MODELS) + f"  {consumers:9}")
+    assert all(c == 0 for c in codes.values()), codes
+
+    # Keeps training: every fifth of the run (after the first, which includes start-up) adds versions.
+    fifth = minutes * 60 / 5
+    for k in range(1, 5):
+        window = [s for s in samples if k * fifth <= s[0] <= (k + 1) * fifth]
+        assert len(window) >= 2, samples
+        for m in MODELS:
+            assert window[-1][1][m] > window[0][1][m], (m, k, window)
+    # Flat consumers: two per model (mq and trainer) and a read in flight at most, never a growing pile.
+    warm = [c for t, trained, c in samples if min(trained.values()) >= 1]
+    assert warm and max(warm) <= 2 * len(MODELS) + 2, warm
+    assert warm[-1] <= warm[0] + 2, warm
+    assert min(samples[-1][1].values()) > 50, samples[-1]

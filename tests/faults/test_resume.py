@@ -1,0 +1,141 @@
+"""A whole `chorus up` run SIGKILLed (every service and the embedded nats-server at once) and resumed with
+`chorus up --resume runs/<id>`: versions continue from the last commit and no sample is trained twice."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import nats
+import yaml
+
+from shared.bus import kv_get_int
+from shared.natsserver import NatsServer
+from shared.subjects import Names
+from tests.faults.harness import MODELS, fault_config
+from tests.faults.ledger import Ledger, violations
+
+CHORUS = str(Path(sys.executable).parent / "chorus")
+MAX_VERSIONS = 30
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def kill_everything(pid: int) -> int:
+    """Freeze the whole tree first (nobody gets to react), then SIGKILL it: a power cut, for the processes."""
+    pids = [pid, *descendants(pid)]
+    for p in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGSTOP)
+    for p in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGKILL)
+    return len(pids)
+
+
+async def wait_for(cond, timeout_s: float, what: str, proc: subprocess.Popen[bytes] | None = None) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(Exception):
+            if await cond():
+                return
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"chorus up exited with {proc.returncode} while waiting for {what}")
+        await asyncio.sleep(0.3)
+    raise AssertionError(f"no {what} within {timeout_s:.0f}s")
+
+
+async def test_a_killed_run_resumes_from_its_last_commit_and_trains_nothing_twice(tmp_path, run_id):
+    config = fault_config(tmp_path, run_id, max_versions=MAX_VERSIONS)
+    first = subprocess.Popen([CHORUS, "up", str(config), "--timeout-s", "300"], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.STDOUT, start_new_session=True)
+    ledgers: list[Ledger] = []
+    try:
+        run_dir: Path | None = None
+
+        async def started() -> bool:
+            nonlocal run_dir
+            found = sorted((tmp_path / "runs").glob(f"{run_id}-*/config.yaml"))
+            run_dir = found[-1].parent if found else None
+            return run_dir is not None
+
+        await wait_for(started, 60, "run directory", first)
+        assert run_dir is not None
+        cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+        full_id, url = cfg["run"]["id"], cfg["nats"]["url"]
+        ledgers.append(await Ledger(full_id, MODELS, url).start())
+        await wait_for(lambda: _trained_at_least(ledgers[0], 8), 240, "version 8 on both models", first)
+        before = await ledgers[0].trained()
+        killed = kill_everything(first.pid)
+        first.wait(timeout=10)
+        await ledgers[0].close()
+        assert killed >= 12  # chorus up, nats-server, 11 services
+
+        resumed = await asyncio.create_subprocess_exec(
+            CHORUS, "up", "--resume", str(run_dir), "--timeout-s", "300",
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+        async def relisten() -> bool:
+            # The first broker is dead: whatever answers at the URL in config.yaml is the resumed run's.
+            url2 = yaml.safe_load((run_dir / "config.yaml").read_text())["nats"]["url"]
+            ledgers.append(await Ledger(full_id, MODELS, url2).start())
+            return True
+
+        await wait_for(relisten, 60, "the resumed run's broker")
+        out, _ = await asyncio.wait_for(resumed.communicate(), 360)
+        text = out.decode(errors="replace")
+        assert resumed.returncode == 0, text[-3000:]
+        assert "resuming run" in text
+        await ledgers[-1].close()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            kill_everything(first.pid)
+        for ledger in ledgers:
+            await ledger.close()
+
+    # Read the run's books from its own store, with the run stopped.
+    server = NatsServer(run_dir / "nats").start()
+    try:
+        ledger = await Ledger(full_id, MODELS, server.url).start()
+        for earlier in ledgers:
+            for m in MODELS:
+                ledger.published[m] |= earlier.published[m]
+        reports = await ledger.report()
+        nc = await nats.connect(server.url)
+        kv = await nc.jetstream().key_value(Names(full_id).kv_bucket)
+        after = {m: await kv_get_int(kv, Names.trained_key(m)) for m in MODELS}
+        await nc.close()
+        await ledger.close()
+    finally:
+        server.stop()
+    problems = violations(reports, MAX_VERSIONS)
+    assert not problems, problems
+    for m in MODELS:
+        assert before[m] >= 8 and after[m] == MAX_VERSIONS
+        r = reports[m]
+        assert r.versions == list(range(1, MAX_VERSIONS + 1))  # versions continue: none skipped, none twice
+        assert not r.trained_twice and not r.conflicting_versions
+        assert r.published > 0 and not r.missing
+
+
+async def _trained_at_least(ledger: Ledger, version: int) -> bool:
+    return all(v >= version for v in (await ledger.trained()).values())
