@@ -8,7 +8,7 @@ TORCH_VERSION := 2.13.0
 TORCH_INDEX ?=
 CONFIG ?= configs/demo.yaml
 
-.PHONY: venv demo test e2e lint plot bench clean
+.PHONY: venv demo test e2e faults soak lint plot bench clean
 
 venv: $(STAMP)
 
@@ -29,6 +29,14 @@ test: venv
 
 e2e: venv
 	$(BIN)/pytest -q -p no:cacheprovider tests/e2e
+
+# Every fault case on its own run, and five minutes at concurrency 64; the table goes to runs/faults/report.md.
+faults: venv
+	$(BIN)/pytest -q -p no:cacheprovider -m full tests/faults
+
+SOAK_MINUTES ?= 30
+soak: venv
+	$(BIN)/python loadtests/soak.py --minutes $(SOAK_MINUTES)
 
 lint: venv
 	$(BIN)/ruff check shared services tests loadtests

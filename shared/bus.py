@@ -263,11 +263,10 @@ async def read_object(js: JetStreamContext, bucket: str, name: str, *, timeout_s
     stream = f"OBJ_{bucket}"
     # A named consumer, deleted when the read ends; the inactivity threshold only covers a reader that dies.
     consumer = f"read_{js._nc._nuid.next().decode()}"  # noqa: SLF001 - the client's own nuid source
-    sub = await js.pull_subscribe(
-        f"$O.{bucket}.C.{info.nuid}", stream=stream,
-        config=jsapi.ConsumerConfig(name=consumer, ack_policy=jsapi.AckPolicy.NONE,
-                                    deliver_policy=jsapi.DeliverPolicy.ALL, inactive_threshold=max(5.0, timeout_s)),
-    )
+    await js.add_consumer(stream, config=jsapi.ConsumerConfig(
+        name=consumer, filter_subject=f"$O.{bucket}.C.{info.nuid}", ack_policy=jsapi.AckPolicy.NONE,
+        deliver_policy=jsapi.DeliverPolicy.ALL, inactive_threshold=max(5.0, timeout_s)))
+    sub = await js.pull_subscribe_bind(consumer=consumer, stream=stream)
     digest = hashlib.sha256()
     offset = chunks = 0
     total_chunks = int(info.chunks or 0)

@@ -71,6 +71,9 @@ class GenRequest(Message):
     adapter: str | None = None  # a LoRA adapter of the model; None: the base model with adapters disabled
     stop_ids: list[int] = Field(default_factory=list)
     stop: list[str] = Field(default_factory=list, max_length=16)  # a row ends once its text contains one
+    # Unix time after which the requester no longer waits: a rollouter answers a request that arrives later
+    # (the backlog of an instance that was frozen) with an error instead of generating for nobody.
+    deadline: float | None = None
 
     @field_validator("stop")
     @classmethod

@@ -8,6 +8,7 @@ import json
 import random
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import nats.errors
@@ -26,6 +27,7 @@ from shared.schemas import ActionRequest, ActionResult, Array, DepthReport, GenR
 from shared.service import Service
 
 MAX_ATTEMPTS = 8
+PUBLISH_ACK_TIMEOUT_S = 10.0  # a sample's PubAck; then it is sent again
 BACKOFF_MAX_S = 5.0
 POLL_S = 0.05  # backpressure / budget re-check period
 VERSION_POLL_S = 0.2
@@ -39,6 +41,12 @@ def per_model(ep: Episode) -> dict[str, int]:
     for s in ep.samples:
         out[s.model] = out.get(s.model, 0) + 1
     return out
+
+
+def _failed(exc: BaseException) -> asyncio.Future[Any]:
+    fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    fut.set_exception(exc)
+    return fut
 
 
 class RetryableError(Exception):
@@ -272,11 +280,17 @@ class CoordinatorService(Service):
         """Publish every sample with its id as ``Nats-Msg-Id``; failures are retried (the id dedups)."""
         pending = list(ep.samples)
         for attempt in range(MAX_ATTEMPTS):
-            futs = [
-                await self.js.publish_async(self.names.traj(s.model), encode(s), headers={"Nats-Msg-Id": s.sample_id})
-                for s in pending
-            ]
-            results = await asyncio.gather(*futs, return_exceptions=True)
+            futs = []
+            for s in pending:
+                try:
+                    futs.append(await self.js.publish_async(self.names.traj(s.model), encode(s),
+                                                            headers={"Nats-Msg-Id": s.sample_id}))
+                except nats.errors.Error as exc:  # stalled or disconnected: counted as failed below
+                    futs.append(_failed(exc))
+            # A PubAck lost in a failover would leave its future pending forever: each waits a bounded time, and
+            # a timed-out sample is published again (its id deduplicates a copy that did land).
+            results = await asyncio.gather(*(asyncio.wait_for(f, PUBLISH_ACK_TIMEOUT_S) for f in futs),
+                                           return_exceptions=True)
             failed = [s for s, r in zip(pending, results, strict=True) if isinstance(r, BaseException)]
             self.counters["samples_published"] += len(pending) - len(failed)
             if not failed:
@@ -294,12 +308,12 @@ class CoordinatorService(Service):
     def _backoff(attempt: int) -> float:
         return min(BACKOFF_MAX_S, 0.1 * 2**attempt) * random.uniform(0.5, 1.0)
 
-    async def _request(self, subject: str, data: bytes, timeout_s: float, what: str) -> bytes:
+    async def _request(self, subject: str, data: bytes | Callable[[], bytes], timeout_s: float, what: str) -> bytes:
         """Request with retries and backoff on timeout / no responders / a dead instance; raises Abandon when it
-        gives up."""
+        gives up. ``data`` may be made anew for each attempt (a generation request carries its deadline)."""
         for attempt in range(MAX_ATTEMPTS):
             try:
-                return await self.mux.request(subject, data, timeout_s)
+                return await self.mux.request(subject, data() if callable(data) else data, timeout_s)
             except nats.errors.NoRespondersError:
                 self.counters[f"{what}_no_responders"] += 1
             except PeerGone:
@@ -324,8 +338,11 @@ class CoordinatorService(Service):
         req = GenRequest(request_id=uuid.uuid4().hex, prompts=[Array.of(p, "int32") for p in prompts],
                          max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, adapter=adapter,
                          stop_ids=[(await self.tokenizers.get(model)).eos_id], stop=stop or [])
-        data = encode(req)
         timeout_s = self.cfg.models[model].rollouter.request_timeout_s
+
+        def data() -> bytes:
+            return encode(req.model_copy(update={"deadline": time.time() + timeout_s}))
+
         for attempt in range(MAX_ATTEMPTS):
             t0 = time.monotonic()
             raw = await self._request(self.names.gen(model), data, timeout_s, "gen")

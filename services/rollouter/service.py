@@ -242,6 +242,13 @@ class RollouterService(Service):
             await self._reject(msg, reason, request_id=_request_id(msg.data))
             return
         self.counters["requests"] += 1
+        if req.deadline is not None and time.time() > req.deadline:
+            self.counters["expired_on_arrival"] += 1  # the requester gave up on it (this instance was frozen?)
+            if msg.reply:
+                await msg.respond(encode(GenResponse(request_id=req.request_id, instance=self.instance,
+                                                     version=self.engine.version,
+                                                     error="expired: arrived after its deadline")))
+            return
         params = SamplingParams(max_new_tokens=req.max_new_tokens, temperature=req.temperature,
                                 top_p=req.top_p, stop_ids=tuple(req.stop_ids), stop=tuple(req.stop))
         fut = self.batcher.submit(prompts, params, req.adapter)

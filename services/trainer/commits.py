@@ -151,7 +151,7 @@ class Commits:
 
     async def sweep(self, current: WeightsAnnounce | None) -> int:
         """Delete objects of this model that no commit needs (states other than the current one, weights older
-        than the last ``NatsSource.KEEP`` versions, anything written for a version that was never committed);
+        than the last ``NatsSource.KEEP`` versions, any other than the committed one of the newest version or later);
         returns how many. Weights of recent versions stay for rollouters catching up."""
         keep = {current.object_name, current.state_object} if current else set()
         newest = current.version if current else 0
@@ -160,7 +160,7 @@ class Commits:
             version = Names.object_version(self.model, name)
             if version is None or name in keep:
                 continue
-            if name.startswith("state/") or version <= newest - NatsSource.KEEP or version > newest:
+            if name.startswith("state/") or version <= newest - NatsSource.KEEP or version >= newest:
                 with contextlib.suppress(nats.errors.Error, TimeoutError):
                     removed += await delete_object(self.js, self.names.obj_bucket, name)
         return removed

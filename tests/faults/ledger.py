@@ -142,11 +142,10 @@ class Ledger:
         js = self.nc.jetstream(timeout=10)
         stream = self.names.events_stream()
         name = f"ledger_{int(time.time() * 1000)}"
-        sub = await js.pull_subscribe(
-            self.names.events_all(), stream=stream,
-            config=jsapi.ConsumerConfig(name=name, ack_policy=jsapi.AckPolicy.NONE,
-                                        deliver_policy=jsapi.DeliverPolicy.ALL, inactive_threshold=60),
-        )
+        await js.add_consumer(stream, config=jsapi.ConsumerConfig(
+            name=name, filter_subject=self.names.events_all(), ack_policy=jsapi.AckPolicy.NONE,
+            deliver_policy=jsapi.DeliverPolicy.ALL, inactive_threshold=60))
+        sub = await js.pull_subscribe_bind(consumer=name, stream=stream)
         out: list[dict[str, Any]] = []
         try:
             last = (await js.stream_info(stream)).state.last_seq

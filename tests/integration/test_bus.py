@@ -1,4 +1,4 @@
-"""Bus helpers against a real nats-server: reading object store objects in one buffer."""
+"""Bus helpers against a real nats-server: reading object store objects in one buffer, listing without consumers."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import nats
 import pytest
 from nats.js.api import ObjectMeta, ObjectMetaOptions
 
-from shared.bus import read_object, write_object
+from shared.bus import delete_object, kv_keys, object_names, read_object, write_object
 
 
 @pytest.mark.parametrize(("size", "chunk"), [(0, 1024), (5, 1024), (4096, 1024), (3 * 1024 * 1024 + 7, 128 * 1024),
@@ -66,5 +66,35 @@ async def test_an_object_larger_than_a_clients_pending_limit_is_read_whole(nats_
         got = await read_object(js, bucket, "big", timeout_s=60, into=into, verify_digest=False)
         assert got.obj is into and got == data
         await js.delete_object_store(bucket)
+    finally:
+        await nc.close()
+
+
+async def test_listing_reading_and_deleting_leave_no_consumer_and_no_tombstone(nats_url: str, run_id: str) -> None:
+    """What a weight sync does on every version must not pile up consumers or meta messages on the server."""
+    nc = await nats.connect(nats_url)
+    try:
+        js = nc.jetstream()
+        bucket = f"b{run_id}"
+        kv = await js.create_key_value(bucket=bucket)
+        await kv.put("rollouter.m.0", b"{}")
+        await kv.put("rollouter.m.1", b"{}")
+        await kv.put("rollouter.other.0", b"{}")
+        await kv.delete("rollouter.m.1")
+        store = await js.create_object_store(bucket)
+        await write_object(js, bucket, "weights/m/v1", [os.urandom(5000)], chunk_bytes=1024)
+        await write_object(js, bucket, "weights/m/v2", [b"x" * 10], chunk_bytes=1024)
+        for _ in range(20):  # a long run: many listings and reads
+            assert await kv_keys(js, bucket, "rollouter.m.") == ["rollouter.m.0"]
+            assert len(await read_object(js, bucket, "weights/m/v1")) == 5000
+        assert (await js.stream_info(f"KV_{bucket}")).state.consumer_count == 0
+        assert (await js.stream_info(f"OBJ_{bucket}")).state.consumer_count == 0
+        assert sorted(await object_names(js, bucket)) == ["weights/m/v1", "weights/m/v2"]
+        assert await delete_object(js, bucket, "weights/m/v1") and not await delete_object(js, bucket, "nope")
+        assert await object_names(js, bucket) == ["weights/m/v2"]
+        with pytest.raises(nats.js.errors.ObjectNotFoundError):
+            await store.get_info("weights/m/v1")
+        assert await delete_object(js, bucket, "weights/m/v2")
+        assert (await js.stream_info(f"OBJ_{bucket}")).state.messages == 0  # chunks and meta gone
     finally:
         await nc.close()

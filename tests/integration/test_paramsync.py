@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +21,15 @@ from shared.bus import kv_get_int
 from shared.codec import decode, encode
 from shared.config import ChorusConfig, load_config
 from shared.models import load_model, shipped_tensors
-from shared.schemas import Array, GenRequest, GenResponse, SyncDone, WeightsAnnounce
+from shared.schemas import (
+    Array,
+    GenRequest,
+    GenResponse,
+    RolloutControl,
+    RolloutControlReply,
+    SyncDone,
+    WeightsAnnounce,
+)
 from shared.service import Service
 from shared.subjects import Names
 from shared.tokenizer import BOS_ID
@@ -92,7 +102,7 @@ async def setup(nats_url: str, run_id: str, tmp_path: Path) -> AsyncIterator[Set
 
 
 async def publish_weights(s: Setup, version: int, delta: float, *, bad_checksum: bool = False,
-                          extra: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+                          extra: dict[str, torch.Tensor] | None = None, announce: bool = True) -> dict[str, torch.Tensor]:
     """Put v``version`` = initial shipped tensors + delta (and ``extra``) into the object store and announce it."""
     lora = s.cfg.models[MODEL].lora is not None
     net = load_model(s.cfg, MODEL)
@@ -105,7 +115,8 @@ async def publish_weights(s: Setup, version: int, delta: float, *, bad_checksum:
     await obj.put(s.names.weights_object(MODEL, version), pack(header, buf))
     ann = WeightsAnnounce(model=MODEL, version=version, object_name=s.names.weights_object(MODEL, version),
                           checksum="0" * 64 if bad_checksum else header.checksum, nbytes=header.nbytes)
-    await s.nc.publish(s.names.sync_announce(MODEL), encode(ann))
+    if announce:
+        await s.nc.publish(s.names.sync_announce(MODEL), encode(ann))
     return named
 
 
@@ -232,3 +243,81 @@ async def test_a_lora_update_ships_only_adapters_and_loads_them_with_the_base_un
         assert all(torch.equal(engine.named_tensors()[k], expected[k]) for k in expected)
         resp = await generate(s)
         assert resp.error is None and resp.version == 1
+
+
+async def test_a_lost_announce_is_synced_from_the_commit_point(setup: Setup) -> None:
+    """The trainer commits v7 (KV weights.<model>) but its announce never arrives: paramsync syncs it anyway."""
+    s = setup
+    named = await publish_weights(s, version=7, delta=0.04, announce=False)
+    header, _ = flatten(MODEL, 7, named)
+    ann = WeightsAnnounce(model=MODEL, version=7, object_name=s.names.weights_object(MODEL, 7),
+                          checksum=header.checksum, nbytes=header.nbytes)
+    kv = await s.nc.jetstream().key_value(s.names.kv_bucket)
+    await kv.put(s.names.weights_key(MODEL), encode(ann))
+    for _ in range(100):
+        if await kv_get_int(kv, s.names.version_key(MODEL)) == 7:
+            break
+        await asyncio.sleep(0.1)
+    assert await kv_get_int(kv, s.names.version_key(MODEL)) == 7
+    assert all(r.engine.version == 7 for r in s.rollouters)
+    assert s.paramsync.counters["polled_commits"] >= 1 and s.paramsync.counters["announces"] == 0
+    assert json.loads((await kv.get(s.names.sync_key(MODEL))).value)["phase"] == "done"
+
+
+async def test_a_restarted_paramsync_aborts_the_sync_it_left_half_done(nats_url: str, run_id: str,
+                                                                       tmp_path: Path) -> None:
+    """A paramsync that died between pause and resume: the next one resumes every instance at once."""
+    cfg = write_config(tmp_path, run_id)
+    names = Names(run_id)
+    nc = await nats.connect(nats_url)
+    rollouter = RollouterService(cfg, nats_url=nats_url, instance="0", model=MODEL)
+    task = await serve(rollouter, "_gen_subs")
+    # A controller that still answers probes, so the instance does not resume by itself.
+    async def alive(msg: object) -> None:
+        await msg.respond(b"{}")  # type: ignore[attr-defined]
+
+    await nc.subscribe(f"{names.prefix}.probe.alive", cb=alive)
+    ps = None
+    try:
+        reply = await nc.request(names.rollout_control(MODEL, "0", "pause"), encode(
+            RolloutControl(verb="pause", version=1, timeout_s=2, peer=f"{names.prefix}.probe.alive")), timeout=10)
+        assert decode(RolloutControlReply, reply.data).paused
+        kv = await nc.jetstream().key_value(names.kv_bucket)
+        await kv.put(names.sync_key(MODEL), json.dumps({"phase": "running", "version": 1, "instances": ["0"]}).encode())
+        await asyncio.sleep(3)
+        assert rollouter.batcher.paused  # nobody resumes it...
+        ps = ParamSyncService(cfg, nats_url=nats_url, model=MODEL)
+        ps_task = await serve(ps, "queue")
+        assert not rollouter.batcher.paused  # ...until a paramsync starts: it aborted the half-done sync
+        assert ps.counters["aborted_syncs"] == 1
+        assert json.loads((await kv.get(names.sync_key(MODEL))).value)["phase"] == "aborted"
+        assert (await generate(Setup(cfg, names, nc, [rollouter], ps))).error is None
+    finally:
+        for svc in [s for s in (rollouter, ps) if s is not None]:
+            svc.stop()
+        await asyncio.wait_for(task, 30)
+        if ps is not None:
+            await asyncio.wait_for(ps_task, 30)
+        await nc.close()
+
+
+async def test_a_rollouter_paused_by_a_paramsync_that_died_resumes_in_seconds(nats_url: str, run_id: str,
+                                                                             tmp_path: Path) -> None:
+    cfg = write_config(tmp_path, run_id)
+    names = Names(run_id)
+    nc = await nats.connect(nats_url)
+    rollouter = RollouterService(cfg, nats_url=nats_url, instance="0", model=MODEL)
+    task = await serve(rollouter, "_gen_subs")
+    try:
+        gone = names.status("paramsync", MODEL, "gone")  # nobody answers there: its process is dead
+        await nc.request(names.rollout_control(MODEL, "0", "pause"),
+                         encode(RolloutControl(verb="pause", version=1, timeout_s=2, peer=gone)), timeout=10)
+        t0 = time.monotonic()
+        while rollouter.batcher.paused and time.monotonic() - t0 < 10:
+            await asyncio.sleep(0.05)
+        assert not rollouter.batcher.paused and time.monotonic() - t0 < 3.0  # not the 136 s lease
+        assert rollouter.counters["auto_resumes"] == 1
+    finally:
+        rollouter.stop()
+        await asyncio.wait_for(task, 30)
+        await nc.close()

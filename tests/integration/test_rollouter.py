@@ -279,3 +279,21 @@ async def test_a_lora_rollouter_serves_each_adapter_and_refuses_unknown_ones(nat
         await nc.close()
         svc.stop()
         assert await asyncio.wait_for(task, 30) == 0
+
+
+async def test_a_request_past_its_deadline_is_answered_with_an_error_not_generated(rollouter: RollouterService,
+                                                                                  nats_url: str) -> None:
+    """The backlog a frozen instance finds when it wakes: its requesters gave up, nobody waits for the rows."""
+    import time
+
+    nc = await nats.connect(nats_url)
+    try:
+        late = request("late", ["1+1="], max_new_tokens=3, deadline=time.time() - 1)
+        resp = decode(GenResponse, (await nc.request(rollouter.names.gen(MODEL), late, timeout=10)).data)
+        assert resp.error and resp.error.startswith("expired") and not resp.outputs
+        assert rollouter.counters["expired_on_arrival"] == 1 and rollouter.batcher.stats.batches == 0
+        fresh = request("fresh", ["1+1="], max_new_tokens=3, deadline=time.time() + 30)
+        resp = decode(GenResponse, (await nc.request(rollouter.names.gen(MODEL), fresh, timeout=10)).data)
+        assert resp.error is None and len(resp.outputs) == 1
+    finally:
+        await nc.close()

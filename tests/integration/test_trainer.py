@@ -12,16 +12,18 @@ from typing import Any
 import nats
 import numpy as np
 import pytest
+import torch
 
+from services.trainer.commits import Commits, Fenced
 from services.trainer.service import TrainerService
-from shared.bus import kv_get_int
+from shared.bus import ensure_run, kv_get_int, object_names
 from shared.codec import decode, encode
 from shared.config import ChorusConfig, load_config
 from shared.schemas import Array, MicroBatch, Sample, WeightsAnnounce
 from shared.subjects import Names
 from shared.tokenizer import BOS_ID, EOS_ID
-from shared.weights import WeightsHeader, checksum
-from shared.weightsync import make_sink
+from shared.weights import WeightsHeader, checksum, flatten
+from shared.weightsync import NatsSource, make_sink
 
 MODEL = "m"
 
@@ -298,3 +300,97 @@ def _changed(h0: WeightsHeader, b0: bytes, h1: WeightsHeader, b1: bytes) -> list
     slots1 = {s.name: s for s in h1.slots}
     return [s.name for s in h0.slots
             if b0[s.offset : s.offset + s.nbytes] != b1[slots1[s.name].offset : slots1[s.name].offset + s.nbytes]]
+
+
+async def test_a_restarted_trainer_continues_from_its_commit_and_knows_what_it_trained(nats_url, run_id, tmp_path):
+    """No checkpoint file: the commit in the object store is what a restart reads. A micro-batch re-formed from
+    samples already trained (mq restarted between its publish and its acks) is a duplicate, not a new step."""
+    cfg = write_cfg(tmp_path, run_id, global_batch=4, max_versions=3, checkpoint_every=0)
+    names = Names(run_id)
+    nc = await nats.connect(nats_url)
+    js = nc.jetstream()
+    watch = Watch()
+    await watch.attach(nc, names)
+    svc, task = await start(cfg, nats_url)
+    try:
+        await wait_until(lambda: watch.announces, what="the v0 announce")
+        await publish_batch(js, names, run_id, "a", version=0)
+        await wait_until(lambda: [a for a in watch.announces if a.version == 1], what="the v1 announce")
+        v1 = await fetch_weights(js, names, watch.announces[-1])
+        first_epoch = svc.epoch
+    finally:
+        svc.stop()
+        assert await asyncio.wait_for(task, 30) == 0
+    assert not (cfg.run_dir / "checkpoints").exists()
+
+    watch.announces.clear()
+    svc, task = await start(cfg, nats_url)
+    try:
+        await wait_until(lambda: watch.announces, what="the announce after restart")
+        ann = watch.announces[0]
+        assert ann.version == 1 and await fetch_weights(js, names, ann) == v1
+        assert svc.epoch != first_epoch and svc.learner.version == 1
+        kv = await js.key_value(names.kv_bucket)
+        assert decode(WeightsAnnounce, (await kv.get(names.weights_key(MODEL))).value).object_name == ann.object_name
+        # mq re-formed the trained group into a new micro-batch: recognised, acked, not trained again.
+        mb = MicroBatch(batch_id="a-reformed", model=MODEL, samples=group(run_id, "a", version=1))
+        await js.publish(names.ready(MODEL), encode(mb), headers={"Nats-Msg-Id": "a-reformed"})
+        await wait_until(lambda: svc.counters["duplicates"] == 4, what="the duplicates")
+        await wait_until(lambda: _messages(js, names.ready_stream(MODEL), 0), what="the duplicate acked")
+        assert svc.learner.version == 1 and svc.learner.accumulated == 0
+        await publish_batch(js, names, run_id, "b", version=1)
+        await wait_until(lambda: [a for a in watch.announces if a.version == 2], what="the v2 announce")
+    finally:
+        svc.stop()
+        assert await asyncio.wait_for(task, 30) == 0
+    # The step record of v1 was written again by the restarted trainer: one record per version in the stream.
+    steps = [e for e in await _stream_events(js, names) if e["kind"] == "step"]
+    assert sorted(e["version"] for e in steps) == [1, 2]
+    assert sorted(steps[0]["sample_ids"]) == [f"a_0_{i}" for i in range(4)]
+    await nc.close()
+
+
+async def test_a_stale_trainer_loses_the_commit_to_a_newer_one(nats_url, run_id, tmp_path):
+    """Two trainers of one model (one was frozen while the other started): the later commit is refused."""
+    cfg = write_cfg(tmp_path, run_id)
+    names = Names(run_id)
+    nc = await nats.connect(nats_url)
+    try:
+        js = nc.jetstream()
+        kv, _ = await ensure_run(js, cfg)
+        header, buf = flatten(MODEL, 0, {"w": torch.zeros(4)})
+
+        def commits(epoch: str) -> Commits:
+            return Commits(js, kv, names, MODEL, NatsSource(cfg, names, MODEL, js), epoch, 64 * 1024)
+
+        old, new = commits("old"), commits("new")
+        assert await old.latest() is None
+        await old.commit(header, buf, b"state v0", "nats")
+        assert (await new.latest()).version == 0
+        h1, b1 = flatten(MODEL, 1, {"w": torch.ones(4)})
+        ann = await new.commit(h1, b1, b"state v1 of new", "nats")
+        with pytest.raises(Fenced):
+            await old.commit(h1, flatten(MODEL, 1, {"w": torch.full((4,), 2.0)})[1], b"state v1 of old", "nats")
+        latest = await commits("reader").latest()
+        assert latest == ann and latest.state_object.endswith("-new")
+        assert bytes(await new.read_state(latest)) == b"state v1 of new"
+        # The loser's objects are left over; a restart's sweep removes what no commit names.
+        await new.sweep(latest)
+        assert not [n for n in await object_names(js, names.obj_bucket) if n.endswith("-old") and "/v1" in n]
+    finally:
+        await nc.close()
+
+
+async def _stream_events(js: Any, names: Names) -> list[dict[str, Any]]:
+    sub = await js.subscribe(names.events_all(), ordered_consumer=True)
+    out = []
+    try:
+        while True:
+            try:
+                msg = await sub.next_msg(timeout=1)
+            except Exception:  # noqa: BLE001 - the end of the stream
+                break
+            out.append(json.loads(msg.data))
+    finally:
+        await sub.unsubscribe()
+    return out

@@ -17,7 +17,15 @@ from shared.cli import app
 from shared.config import load_config
 from shared.plotting import summarize
 from shared.progress import RunTracker
-from shared.supervisor import ChildSpec, Supervisor, eval_line, plan_services, resolve_run, unique_run_id
+from shared.supervisor import (
+    ChildSpec,
+    Restarts,
+    Supervisor,
+    eval_line,
+    plan_services,
+    resolve_run,
+    unique_run_id,
+)
 
 CHORUS = str(Path(sys.executable).parent / "chorus")
 CONFIG = "run: {{id: {run}, dir: {dir}}}\nmodels: {{a: {{rollouter: {{instances: 2}}}}, b: {{}}}}\n" \
@@ -147,6 +155,17 @@ async def test_supervisor_stops_children_and_reports_one_that_dies(tmp_path: Pat
     assert sup.exited() == []  # exits after stop are expected
 
 
+def test_restarts_wait_their_delay_and_a_crash_loop_is_refused() -> None:
+    r = Restarts(max_restarts=2, window_s=10.0, delay_s=1.0)
+    assert r.exited("mq-a-0", now=0.0)
+    assert r.ready(0.5) == [] and r.ready(1.0) == ["mq-a-0"] and r.ready(2.0) == []
+    assert r.exited("mq-a-0", now=3.0)
+    assert not r.exited("mq-a-0", now=4.0)  # a third exit within 10 s
+    assert r.exited("trainer-a-0", now=4.0)  # counted per service
+    assert r.exited("mq-a-0", now=20.0)  # the window moved on: the old exits no longer count
+    assert sorted(r.ready(30.0)) == ["mq-a-0", "trainer-a-0"]
+
+
 async def test_supervisor_kills_a_child_that_ignores_sigterm(tmp_path: Path) -> None:
     sup = Supervisor(tmp_path / "logs")
     code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(60)"
@@ -196,11 +215,16 @@ async def finish() -> None:
             fh.write(json.dumps({"model": args.model, "version": v, "reward_mean": v / 10, "staleness_mean": 0.0}) + "\\n")
     await kv.put(Names.trained_key(args.model), str(cfg.train.max_versions).encode())
     await nc.close()
-if os.environ.get("FAKE_TRAINER_FINISHES") and __package__ == "services.trainer":
-    asyncio.run(finish())
 if os.environ.get("FAKE_CRASH") == __package__:
     print("fake failure: weights checksum mismatch", flush=True)
     sys.exit(3)
+if os.environ.get("FAKE_CRASH_ONCE") == __package__ and not Path("crashed-once").exists():
+    Path("crashed-once").write_text("")
+    print("fake failure: lost the broker", flush=True)
+    sys.exit(4)
+if os.environ.get("FAKE_TRAINER_FINISHES") and __package__ == "services.trainer":
+    time.sleep(float(os.environ.get("FAKE_TRAINER_DELAY_S", "0")))
+    asyncio.run(finish())
 time.sleep(120)
 '''
 SERVICES = ("coordinator", "rollouter", "mq", "trainer", "paramsync", "actions")
@@ -246,12 +270,29 @@ def test_up_exits_0_when_every_model_is_trained_and_writes_plot(nats_url: str, r
     assert not any(_alive(p) for p in pids)
 
 
-def test_up_reports_a_crashed_service_with_its_log_and_exits_1(nats_url: str, run_id: str, tmp_path: Path) -> None:
+def test_up_restarts_a_service_that_crashes_and_the_run_finishes(nats_url: str, run_id: str, tmp_path: Path) -> None:
+    cfg = _fake_tree(tmp_path, run_id)
+    proc = _up(tmp_path, cfg, nats_url, FAKE_CRASH_ONCE="services.paramsync", FAKE_TRAINER_FINISHES="1",
+               FAKE_TRAINER_DELAY_S="4")
+    out, _ = proc.communicate(timeout=90)
+    assert proc.returncode == 0, out
+    assert "paramsync-a-0 exited unexpectedly with code 4; restarting it" in " ".join(out.split())
+    assert "lost the broker" in out
+    run_dir = next((tmp_path / "runs").glob(f"{run_id}-*"))
+    log = (run_dir / "logs" / "paramsync-a-0.log").read_text()
+    assert "lost the broker" in log  # the restarted one writes on in the same log
+    assert len(list((tmp_path / "pids").iterdir())) >= 11  # ten services and the restarted paramsync
+    assert not any(_alive(int(p.name)) for p in (tmp_path / "pids").iterdir())
+
+
+def test_up_stops_a_crash_loop_with_its_log_and_exits_1(nats_url: str, run_id: str, tmp_path: Path) -> None:
     cfg = _fake_tree(tmp_path, run_id)
     proc = _up(tmp_path, cfg, nats_url, FAKE_CRASH="services.paramsync")
     out, _ = proc.communicate(timeout=90)
     assert proc.returncode == 1, out
-    assert "paramsync-a-0 exited unexpectedly with code 3" in out
+    text = " ".join(out.split())  # the console wraps long lines
+    assert text.count("paramsync-a-0 exited unexpectedly with code 3; restarting it") == 5
+    assert "paramsync-a-0 exited unexpectedly with code 3, 6 times within 300s (run.max_restarts 5)" in text
     assert "weights checksum mismatch" in out
     assert not any(_alive(int(p.name)) for p in (tmp_path / "pids").iterdir())
 

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.mq.experience_store import (
+    FINISHED,
     GROUP_DROPPED,
     LATE,
     OVERFLOW,
@@ -116,6 +117,22 @@ def test_sample_stale_on_arrival_is_dropped() -> None:
     res = store.add(sample("a", 0, version=2), 7)
     assert res.kind is AddKind.DROPPED and res.dropped[0].reason == STALE and res.dropped[0].handles == [7]
     assert store.add(sample("b", 0, version=3), 8).kind is AddKind.NEW
+
+
+def test_a_finished_model_drops_what_it_holds_and_everything_after_but_not_what_is_in_flight() -> None:
+    store: ExperienceStore[int] = ExperienceStore("m", max_staleness=1)
+    for k in ("a", "b"):
+        store.add(sample(k, 0), 1)
+        store.add(sample(k, 1), 2)
+    store.add(sample("c", 0), 3)  # half a group
+    take = store.take_micro_batch(1)
+    assert take is not None and take.group_keys == ["a"]
+    dropped = store.finish()
+    assert ids(dropped) == {FINISHED: ["b_0_0", "b_0_1", "c_0_0"]} and sorted(dropped[0].handles) == [1, 2, 3]
+    assert store.commit(take) == [1, 2]  # the micro-batch in flight goes on: the trainer drops it as finished
+    late = store.add(sample("c", 1), 9)
+    assert late.kind is AddKind.DROPPED and ids(late.dropped) == {FINISHED: ["c_0_1"]}
+    assert store.depth() == 0 and store.take_micro_batch(1) is None
 
 
 def test_released_take_is_available_again_and_not_dropped_while_processing() -> None:

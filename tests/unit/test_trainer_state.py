@@ -1,0 +1,65 @@
+"""What a trainer commits with a version, read back as a restarted trainer reads it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.trainer.learner import Learner
+from services.trainer.state import RecentSteps, pack_state, unpack_state
+from shared.config import load_config
+from shared.subjects import Names
+
+
+def test_recent_steps_keep_the_ids_of_the_last_steps_only() -> None:
+    recent = RecentSteps(keep=2)
+    recent.add(1, ["a", "b"])
+    recent.add(2, ["c"])
+    recent.add(3, ["d"])
+    assert list(recent.ids()) == ["c", "d"]
+    assert RecentSteps(2, [(v, ids) for v, ids in recent.to_list()]).to_list() == recent.to_list()
+
+
+def test_a_committed_state_restores_weights_optimizer_and_version(tmp_path) -> None:
+    p = tmp_path / "run.yaml"
+    p.write_text("models: {m: {arch: {hidden_size: 16, num_layers: 1, num_heads: 2, intermediate_size: 32}}}\n"
+                 "agents: {solver: {model: m}, verifier: {model: m}}\n")
+    cfg = load_config(p)
+    a = Learner(cfg, "m")
+    with torch.no_grad():  # an optimizer step's worth of change and state
+        for t in a.trainable:
+            t.grad = torch.ones_like(t)
+    a.optimizer.step()
+    a.version = 7
+    recent = RecentSteps()
+    recent.add(7, ["x_0_0", "x_0_1"])
+    blob = pack_state(a.state_dict(), {"version": 7, "sample_ids": ["x_0_0", "x_0_1"]}, recent)
+
+    b = Learner(cfg, "m")
+    got = unpack_state(blob)
+    b.load_state_dict(got.learner)
+    assert got.version == 7 and b.version == 7 and got.record == {"version": 7, "sample_ids": ["x_0_0", "x_0_1"]}
+    assert list(got.recent.ids()) == ["x_0_0", "x_0_1"]
+    for (name, ta), tb in zip(a.named_tensors().items(), b.named_tensors().values(), strict=True):
+        assert torch.equal(ta, tb), name
+    sa, sb = a.optimizer.state_dict()["state"], b.optimizer.state_dict()["state"]
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k]["exp_avg"], sb[k]["exp_avg"]) for k in sa)
+
+
+def test_a_blob_that_is_not_a_committed_state_is_refused() -> None:
+    import io
+
+    buf = io.BytesIO()
+    torch.save({"weights": torch.zeros(2)}, buf)
+    with pytest.raises(ValueError, match="not a committed trainer state"):
+        unpack_state(buf.getvalue())
+
+
+def test_object_names_carry_model_version_and_epoch() -> None:
+    assert Names.weights_object("m", 3) == "weights/m/v3"
+    assert Names.weights_object("m", 3, "ab12") == "weights/m/v3-ab12"
+    assert Names.state_object("solver_lm", 12, "ff") == "state/solver_lm/v12-ff"
+    assert Names.object_version("m", "weights/m/v3-ab12") == 3
+    assert Names.object_version("m", "state/m/v12-ff") == 12
+    assert Names.object_version("m", "weights/other/v3") is None
+    assert Names.object_version("m", "checkpoints/m/v3") is None
