@@ -13,7 +13,7 @@ import signal
 import sys
 import time
 from collections import Counter
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, ClassVar, TypeVar
 
 import nats.errors
@@ -35,7 +35,9 @@ from shared.subjects import Names
 
 VERSION = "0.1.0"
 M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
 RECORD_BACKOFF_S = (0.1, 2.0)  # first and largest wait between attempts to write a record
+START_WAIT_S = 60.0  # how long a starting service waits for the broker and its JetStream
 
 
 class Service:
@@ -88,10 +90,29 @@ class Service:
         """Where this instance answers status requests, and where peers probe whether it is alive."""
         return self.names.status(self.name, self.model, self.instance)
 
+    async def _connect(self) -> None:
+        """Connect and make sure the run's streams exist, for up to ``START_WAIT_S`` while the broker is coming
+        up (a restarted server, a cluster electing its leaders)."""
+        deadline = time.monotonic() + START_WAIT_S
+        wait = 0.2
+        while True:
+            try:
+                if getattr(self, "nc", None) is None or self.nc.is_closed:
+                    self.nc = await connect(self.nats_url, self.client_name,
+                                            timeout_s=self.cfg.nats.connect_timeout_s)
+                self.js = self.nc.jetstream(timeout=10.0)
+                self.kv, self.obj = await ensure_run(self.js, self.cfg)
+                return
+            except (nats.errors.Error, TimeoutError, OSError) as exc:
+                if time.monotonic() + wait > deadline:
+                    raise
+                self.counters["start_retries"] += 1
+                self.log.warning("broker not ready; retrying", error=f"{type(exc).__name__}: {exc}", wait_s=wait)
+                await asyncio.sleep(wait)
+                wait = min(5.0, wait * 2)
+
     async def start(self) -> None:
-        self.nc = await connect(self.nats_url, self.client_name, timeout_s=self.cfg.nats.connect_timeout_s)
-        self.js = self.nc.jetstream(timeout=10.0)
-        self.kv, self.obj = await ensure_run(self.js, self.cfg)
+        await self._connect()
         self.peers = PeerWatch(self.nc, self.cfg.peers)
         self.spawn(self.peers.run(), "peers")
         self._micro = await add_service(
@@ -213,16 +234,23 @@ class Service:
         """Reject a message: publish it unchanged on ``dlq.<service>`` with the reason in headers, count it."""
         self.counters["dlq"] += 1
         self.log.warning("rejected message", subject=subject, reason=reason, bytes=len(data))
-        await self.nc.publish(
-            self.names.dlq(self.name),
-            data,
-            headers={
-                "Chorus-Reason": reason[:1000],
-                "Chorus-Subject": subject,
-                "Chorus-Service": self.name,
-                "Chorus-Instance": self.instance,
-            },
-        )
+        await self.publish_quietly(self.names.dlq(self.name), data, headers={
+            "Chorus-Reason": reason[:1000],
+            "Chorus-Subject": subject,
+            "Chorus-Service": self.name,
+            "Chorus-Instance": self.instance,
+        })
+
+    async def publish_quietly(self, subject: str, data: bytes, headers: dict[str, str] | None = None) -> bool:
+        """A core publish that is allowed to fail (the connection is away and its buffer full): counted, logged,
+        never raised into the loop that made it."""
+        try:
+            await self.nc.publish(subject, data, headers=headers)
+            return True
+        except nats.errors.Error as exc:
+            self.counters["publish_errors"] += 1
+            self.log.warning("publish failed", subject=subject, error=f"{type(exc).__name__}: {exc}")
+            return False
 
     def _event_body(self, kind: str, fields: dict[str, Any]) -> bytes:
         return encode_json({"kind": kind, "instance": self.instance, "model": self.model, "time": time.time(),
@@ -230,7 +258,22 @@ class Service:
 
     async def event(self, kind: str, **fields: Any) -> None:
         """A best-effort event (core publish; the events stream keeps it when the broker gets it)."""
-        await self.nc.publish(self.names.events(self.name), self._event_body(kind, fields))
+        await self.publish_quietly(self.names.events(self.name), self._event_body(kind, fields))
+
+    async def retried(self, op: Callable[[], Awaitable[T]], what: str) -> T | None:
+        """An idempotent broker operation, retried with backoff while the broker is away (a restart, a failover);
+        None if the service stops first."""
+        wait = RECORD_BACKOFF_S[0]
+        while True:
+            try:
+                return await op()
+            except (nats.errors.Error, TimeoutError) as exc:
+                self.counters["broker_retries"] += 1
+                self.log.warning(f"{what} failed; retrying", error=f"{type(exc).__name__}: {exc}")
+            if self.stopping:
+                return None
+            await asyncio.sleep(wait)
+            wait = min(RECORD_BACKOFF_S[1], wait * 2)
 
     async def record(self, kind: str, record_id: str, **fields: Any) -> bool:
         """An event that must not be lost, such as which samples a step trained or why samples were dropped:
@@ -268,11 +311,7 @@ class Service:
     async def _metrics_loop(self) -> None:
         subject = self.names.metrics(self.name, f"{self.model}-{self.instance}" if self.model else self.instance)
         while not self.stopping:
-            try:
-                await self.nc.publish(subject, encode_json(self.metrics_snapshot()))
-            except nats.errors.Error as exc:  # reconnecting with a full buffer: the next snapshot will do
-                self.counters["metrics_errors"] += 1
-                self.log.warning("metrics publish failed", error=f"{type(exc).__name__}: {exc}")
+            await self.publish_quietly(subject, encode_json(self.metrics_snapshot()))
             await asyncio.sleep(self.cfg.metrics_interval_s)
 
     async def _status_handler(self, req: Request) -> None:

@@ -124,7 +124,8 @@ class CoordinatorService(Service):
             await asyncio.gather(*pending, return_exceptions=True)
         if self._publishing:
             await asyncio.wait(self._publishing, timeout=10)
-        await self.mux.close()
+        if hasattr(self, "mux"):
+            await self.mux.close()
 
     def extra_metrics(self) -> dict[str, Any]:
         if not hasattr(self, "admission"):

@@ -159,7 +159,7 @@ class MqService(Service):
                 model=self.model, depth=self.depth(), capacity=self.cfg.mq_capacity,
                 trained_version=self.trained_version, dropped_stale=self.counters["dropped_stale"],
             )
-            await self.nc.publish(self.names.depth(self.model), encode_json(report))
+            await self.publish_quietly(self.names.depth(self.model), encode_json(report))
             await asyncio.sleep(self.cfg.mq.report_interval_s)
 
     async def _keepalive_loop(self) -> None:

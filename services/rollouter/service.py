@@ -219,7 +219,8 @@ class RollouterService(Service):
             if not self.stopping:
                 self.counters["re_registered"] += 1
                 self.log.warning("registration was dropped (unreachable during a sync); registering again")
-                await self._register()
+                with contextlib.suppress(nats.errors.Error, TimeoutError):  # checked again within a second
+                    await self._register()
         except (nats.errors.Error, TimeoutError):
             pass
 

@@ -160,7 +160,7 @@ class TrainerService(Service):
                 self.log.info("restored checkpoint file", path=str(path), version=self.learner.version)
             ann = await self._commit(None)
         self.counters["objects_swept"] += await self.commits.sweep(ann)
-        await kv_put_int_max(self.kv, self.names.trained_key(self.model), ann.version)
+        await self._set_trained(ann.version)
         if record is not None:
             await self._record_step(record)
         await self._announce(ann)
@@ -321,12 +321,12 @@ class TrainerService(Service):
             return
         if ann is None:
             return  # stopping before the commit: its micro-batches come back to the next trainer
-        await kv_put_int_max(self.kv, self.names.trained_key(self.model), result.version)
+        await self._set_trained(result.version)
         if not await self._record_step(fields):
             return  # committed; the restarted trainer records it and acks the redelivered micro-batches
         await asyncio.gather(*(self._safe(m.ack) for m in self.held))
         self.held = []
-        await self.nc.flush(timeout=5)
+        await self._safe(lambda: self.nc.flush(timeout=5))
         self.counters["steps"] += 1
         await asyncio.to_thread(append_line, self.metrics_path, json.dumps(line, separators=(",", ":")))
         self.log.info("step", version=result.version, samples=result.samples, loss=round(result.loss, 5),
@@ -338,6 +338,11 @@ class TrainerService(Service):
             self.log.info("checkpoint", path=str(path))
         if result.version >= self.train.max_versions:
             await self._finish()
+
+    async def _set_trained(self, version: int) -> None:
+        """KV ``trained.<model>`` (what mq and the coordinator read; the commit point itself already moved)."""
+        await self.retried(lambda: kv_put_int_max(self.kv, self.names.trained_key(self.model or ""), version),
+                           "setting trained.<model>")
 
     async def _record_step(self, fields: dict[str, Any]) -> bool:
         assert self.model is not None
@@ -380,8 +385,8 @@ class TrainerService(Service):
 
     async def _announce(self, ann: WeightsAnnounce) -> None:
         """Tell paramsync (a wake-up: it also reads the commit point in KV, so a lost announce delays nothing)."""
-        await self.nc.publish(self.names.sync_announce(self.model or ""), encode(ann))
-        self.counters["weights_published"] += 1
+        if await self.publish_quietly(self.names.sync_announce(self.model or ""), encode(ann)):
+            self.counters["weights_published"] += 1
 
     # --- helpers --------------------------------------------------------------------------
     async def _torch(self, fn: Callable[..., T], *args: Any) -> T:
