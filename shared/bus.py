@@ -14,6 +14,7 @@ import nats
 import numpy as np
 import structlog
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js import api as jsapi
 from nats.js.errors import BadRequestError, BucketNotFoundError, KeyNotFoundError, NotFoundError
@@ -200,6 +201,14 @@ async def fetch(sub: JetStreamContext.PullSubscription, batch: int, timeout_s: f
         return await sub.fetch(batch, timeout=timeout_s)
     except (TimeoutError, nats.errors.TimeoutError):
         return []
+
+
+def stream_seq(msg: Msg) -> int | None:
+    """The stream sequence of a JetStream message: the same for every delivery of it."""
+    try:
+        return msg.metadata.sequence.stream
+    except (AttributeError, ValueError, IndexError):
+        return None
 
 
 async def kv_get_int(kv: KeyValue, key: str, default: int = 0) -> int:

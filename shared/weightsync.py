@@ -409,14 +409,6 @@ class UcxSink(WeightSink):
         return reply
 
 
-def make_source(cfg: ChorusConfig, names: Names, model: str, nc: NATS, js: JetStreamContext,
-                peer: str | None = None) -> WeightSource:
-    transport = resolve_transport(cfg)
-    if transport == "ucx":
-        return UcxSource(cfg, names, model, nc, peer)
-    return NatsSource(cfg, names, model, js)
-
-
 def make_sink(transport: str, names: Names, model: str, instance: str, nc: NATS,
               js: JetStreamContext, watch: PeerWatch | None = None) -> WeightSink:
     if transport == "ucx":

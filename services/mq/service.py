@@ -26,7 +26,7 @@ from nats.aio.msg import Msg
 from nats.js.errors import APIError, NotFoundError
 
 from services.mq.experience_store import AddKind, Dropped, ExperienceStore, Policy, Take
-from shared.bus import fetch, kv_get_int, pull_consumer
+from shared.bus import fetch, kv_get_int, pull_consumer, stream_seq
 from shared.codec import DecodeError, encode, encode_json
 from shared.schemas import DepthReport, DropEvent, MicroBatch, Sample
 from shared.service import Service
@@ -43,13 +43,6 @@ STREAM_FULL_CODE = 10077  # JetStream: maximum messages exceeded (DiscardNew)
 def batch_id(sample_ids: Sequence[str]) -> str:
     """Idempotency key of a micro-batch: sha256 hex of its sorted sample ids."""
     return hashlib.sha256("\n".join(sorted(sample_ids)).encode()).hexdigest()
-
-
-def _stream_seq(msg: Msg) -> int | None:
-    try:
-        return msg.metadata.sequence.stream
-    except (AttributeError, ValueError, IndexError):
-        return None
 
 
 class MqService(Service):
@@ -186,7 +179,7 @@ class MqService(Service):
                 self.counters["duplicates"] += 1
                 old = res.settle
                 # A redelivery of the same stream message keeps one ack; a re-published copy is spare.
-                if old is not None and _stream_seq(old) != _stream_seq(msg):
+                if old is not None and stream_seq(old) != stream_seq(msg):
                     to_ack.append(old)
             elif res.kind is AddKind.SEEN:
                 self.counters["duplicates"] += 1

@@ -10,6 +10,7 @@ as probes find it dead, not after their timeout; a paused rollouter resumes by i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from typing import Any
@@ -153,7 +154,10 @@ class ParamSyncService(Service):
         if not isinstance(state, dict) or state.get("phase") != "running":
             return
         served = await kv_get_int(self.kv, self.names.version_key(self.model))
-        instances = sorted(set(await self._live_instances()) | set(state.get("instances") or []))
+        listed: list[str] = []
+        with contextlib.suppress(nats.errors.Error, TimeoutError):  # the instances the sync named will do
+            listed = await self._live_instances()
+        instances = sorted(set(listed) | set(state.get("instances") or []))
         self.counters["aborted_syncs"] += 1
         self.log.warning("aborting a sync a previous paramsync left half done", version=state.get("version"),
                          served=served, instances=instances)
@@ -219,16 +223,12 @@ class ParamSyncService(Service):
         return []
 
     async def _list_instances(self) -> list[str]:
-        """Registration keys, read without a KV watch (each watch would leave a consumer behind for minutes)."""
+        """Registration keys, read without a KV watch (each watch would leave a consumer behind for minutes).
+        A broker error is raised: a sync that cannot list its instances fails and is tried again, it does not
+        commit to nobody."""
         assert self.model is not None
         prefix = self.names.rollouter_prefix(self.model)
-        try:
-            keys = await kv_keys(self.js, self.names.kv_bucket, prefix)
-        except (nats.errors.Error, TimeoutError) as exc:
-            self.counters["list_errors"] += 1
-            self.log.warning("listing rollouter instances failed", error=f"{type(exc).__name__}: {exc}")
-            return []
-        return instances_from_keys(keys, prefix)
+        return instances_from_keys(await kv_keys(self.js, self.names.kv_bucket, prefix), prefix)
 
     async def _pause_and_load(self, instance: str, ann: WeightsAnnounce) -> InstanceResult:
         """Pause, then load with up to ``load_attempts`` tries; an unreachable instance is not retried."""

@@ -430,9 +430,7 @@ class RollouterService(Service):
         try:
             entry = await self.kv.get(self.names.weights_key(self.model))
             return decode(WeightsAnnounce, entry.value or b"")
-        except (nats.js.errors.KeyNotFoundError, DecodeError):
-            return None
-        except (nats.errors.Error, TimeoutError):
+        except (nats.errors.Error, TimeoutError, DecodeError):  # none yet, or the broker is away
             return None
 
     async def _catch_up(self) -> None:

@@ -33,7 +33,7 @@ from services.trainer.grpo import micro_batch_advantages
 from services.trainer.intake import SeenIds, StepBook, filter_samples
 from services.trainer.learner import Learner
 from services.trainer.state import Committed, RecentSteps, pack_state, unpack_state
-from shared.bus import fetch, kv_put_int_max, pull_consumer
+from shared.bus import fetch, kv_put_int_max, pull_consumer, stream_seq
 from shared.codec import DecodeError, decode, encode
 from shared.logs import append_line
 from shared.schemas import DropEvent, MicroBatch, Sample, StepRecord, WeightsAnnounce
@@ -46,14 +46,6 @@ T = TypeVar("T")
 FETCH_TIMEOUT_S = 1.0
 COMMIT_BACKOFF_S = (0.5, 5.0)  # first and largest wait between attempts to commit while the broker is away
 FINISHED = "finished"  # drop reason: arrived after the model reached train.max_versions
-
-
-def stream_seq(msg: Msg) -> int | None:
-    """The stream sequence of a JetStream message: the same for every delivery of it."""
-    try:
-        return msg.metadata.sequence.stream
-    except (AttributeError, ValueError, IndexError):
-        return None
 
 
 def _init_worker(threads: int) -> None:

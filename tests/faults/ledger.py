@@ -64,7 +64,9 @@ class Ledger:
         self._poll: asyncio.Task[None] | None = None
 
     async def start(self) -> Ledger:
-        self.nc = await nats.connect(servers=self.url.split(","), max_reconnect_attempts=-1, reconnect_time_wait=0.2)
+        # Reconnects forever once connected; the first connection must come within 10 s.
+        self.nc = await asyncio.wait_for(nats.connect(servers=self.url.split(","), max_reconnect_attempts=-1,
+                                                      reconnect_time_wait=0.2), 10)
         for m in self.models:
             await self.nc.subscribe(self.names.traj(m), cb=self._on_sample)
         self._poll = asyncio.create_task(self._poll_versions())

@@ -22,7 +22,8 @@ from tests.faults.harness import MODELS, fault_config
 from tests.faults.ledger import Ledger, violations
 
 CHORUS = str(Path(sys.executable).parent / "chorus")
-MAX_VERSIONS = 30
+MAX_VERSIONS = 80  # far enough for the kill to land mid-run (the tiny run makes a few versions a second)
+KILL_AT = 10
 
 
 def descendants(pid: int) -> list[int]:
@@ -56,7 +57,7 @@ async def wait_for(cond, timeout_s: float, what: str, proc: subprocess.Popen[byt
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         with contextlib.suppress(Exception):
-            if await cond():
+            if await asyncio.wait_for(cond(), max(0.1, deadline - time.monotonic())):
                 return
         if proc is not None and proc.poll() is not None:
             raise AssertionError(f"chorus up exited with {proc.returncode} while waiting for {what}")
@@ -83,8 +84,10 @@ async def test_a_killed_run_resumes_from_its_last_commit_and_trains_nothing_twic
         cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
         full_id, url = cfg["run"]["id"], cfg["nats"]["url"]
         ledgers.append(await Ledger(full_id, MODELS, url).start())
-        await wait_for(lambda: _trained_at_least(ledgers[0], 8), 240, "version 8 on both models", first)
+        await wait_for(lambda: _trained_at_least(ledgers[0], KILL_AT), 240, f"version {KILL_AT} on both models",
+                       first)
         before = await ledgers[0].trained()
+        assert first.poll() is None and max(before.values()) < MAX_VERSIONS, "the run finished before the kill"
         killed = kill_everything(first.pid)
         first.wait(timeout=10)
         await ledgers[0].close()
@@ -130,7 +133,7 @@ async def test_a_killed_run_resumes_from_its_last_commit_and_trains_nothing_twic
     problems = violations(reports, MAX_VERSIONS)
     assert not problems, problems
     for m in MODELS:
-        assert before[m] >= 8 and after[m] == MAX_VERSIONS
+        assert before[m] >= KILL_AT and after[m] == MAX_VERSIONS
         r = reports[m]
         assert r.versions == list(range(1, MAX_VERSIONS + 1))  # versions continue: none skipped, none twice
         assert not r.trained_twice and not r.conflicting_versions
