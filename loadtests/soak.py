@@ -30,23 +30,10 @@ sys.path.insert(0, str(ROOT))
 
 from shared.bus import kv_get_int, run_consumers  # noqa: E402
 from shared.subjects import Names  # noqa: E402
+from shared.supervisor import descendants  # noqa: E402
 
 CHORUS = str(Path(sys.executable).parent / "chorus")
 RSS_LIMIT_PCT = 10.0
-
-
-def descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
 
 
 def process_key(pid: int) -> str | None:

@@ -160,6 +160,21 @@ class Supervisor:
         return {k: int(c.popen.returncode) for k, c in {**self.stopped, **self.children}.items()}
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (read from /proc; empty where there is none): a run's services, its broker."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
 @contextlib.contextmanager
 def env_override(**values: str) -> Iterator[None]:
     """Temporarily set environment variables (the config loader reads ``CHORUS_*`` from os.environ)."""

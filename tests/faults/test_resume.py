@@ -18,27 +18,13 @@ import yaml
 from shared.bus import kv_get_int
 from shared.natsserver import NatsServer
 from shared.subjects import Names
+from shared.supervisor import descendants
 from tests.faults.harness import MODELS, fault_config
 from tests.faults.ledger import Ledger, violations
 
 CHORUS = str(Path(sys.executable).parent / "chorus")
 MAX_VERSIONS = 80  # far enough for the kill to land mid-run (the tiny run makes a few versions a second)
 KILL_AT = 10
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (from /proc)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
 
 
 def kill_everything(pid: int) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -48,7 +49,7 @@ def write_cfg(tmp_path: Path, run_id: str, *, lora: bool = False, **train: Any) 
 
 def group(run_id: str, key: str, version: int, agent: str = "solver", adapter: str | None = None) -> list[Sample]:
     """A complete GRPO group of 4 with different rewards, so advantages are non-zero."""
-    rng = np.random.default_rng(abs(hash(key)) % 2**32)
+    rng = np.random.default_rng(zlib.crc32(key.encode()))  # the same samples in every process (hash() is salted)
     out = []
     for i in range(4):
         resp = [*rng.integers(48, 58, 3).tolist(), EOS_ID]

@@ -218,12 +218,15 @@ async def finish() -> None:
 if os.environ.get("FAKE_CRASH") == __package__:
     print("fake failure: weights checksum mismatch", flush=True)
     sys.exit(3)
-if os.environ.get("FAKE_CRASH_ONCE") == __package__ and not Path("crashed-once").exists():
-    Path("crashed-once").write_text("")
-    print("fake failure: lost the broker", flush=True)
-    sys.exit(4)
+if os.environ.get("FAKE_CRASH_ONCE") == f"{__package__}:{args.model}":
+    if not Path("crashed-once").exists():
+        Path("crashed-once").write_text("")
+        print("fake failure: lost the broker", flush=True)
+        sys.exit(4)
+    Path("restarted").write_text("")
 if os.environ.get("FAKE_TRAINER_FINISHES") and __package__ == "services.trainer":
-    time.sleep(float(os.environ.get("FAKE_TRAINER_DELAY_S", "0")))
+    while os.environ.get("FAKE_CRASH_ONCE") and not Path("restarted").exists():
+        time.sleep(0.1)  # finish only once the crashed service is back
     asyncio.run(finish())
 time.sleep(120)
 '''
@@ -272,8 +275,7 @@ def test_up_exits_0_when_every_model_is_trained_and_writes_plot(nats_url: str, r
 
 def test_up_restarts_a_service_that_crashes_and_the_run_finishes(nats_url: str, run_id: str, tmp_path: Path) -> None:
     cfg = _fake_tree(tmp_path, run_id)
-    proc = _up(tmp_path, cfg, nats_url, FAKE_CRASH_ONCE="services.paramsync", FAKE_TRAINER_FINISHES="1",
-               FAKE_TRAINER_DELAY_S="4")
+    proc = _up(tmp_path, cfg, nats_url, FAKE_CRASH_ONCE="services.paramsync:a", FAKE_TRAINER_FINISHES="1")
     out, _ = proc.communicate(timeout=90)
     assert proc.returncode == 0, out
     assert "paramsync-a-0 exited unexpectedly with code 4; restarting it" in " ".join(out.split())
