@@ -2,8 +2,9 @@
 
     python loadtests/soak.py --minutes 30
 
-Starts ``chorus up`` on ``configs/tiny-chain.yaml`` (embedded nats-server) with ``workflow.concurrency`` 64 and
-no version limit, samples every ``--sample-s`` seconds the resident memory of every service process and of
+Starts ``chorus up`` on ``configs/tiny-chain.yaml`` (embedded nats-server) with ``workflow.concurrency`` 64, no
+version limit and the events stream capped at ``--events-max-mb`` (it keeps the newest records up to its cap, so
+in a long run it grows to the cap and stays there), samples every ``--sample-s`` seconds the resident memory of every service process and of
 nats-server, the size of every stream of the run and the number of JetStream consumers, then stops the run
 with Ctrl-C as a user would. Prints, after the warm-up, each process's RSS growth (in % and % per hour) and
 each stream's growth per hour, and writes ``soak.csv``, ``soak.png`` and ``report.md`` to ``--out``.
@@ -83,7 +84,7 @@ async def soak(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "CHORUS_WORKFLOW__CONCURRENCY": str(args.concurrency),
            "CHORUS_TRAIN__MAX_VERSIONS": "100000000", "CHORUS_TRAIN__CHECKPOINT_EVERY": "0",
-           "CHORUS_RUN__DIR": str(out / "runs")}
+           "CHORUS_NATS__EVENTS_MAX_MB": str(args.events_max_mb), "CHORUS_RUN__DIR": str(out / "runs")}
     log = open(out / "chorus-up.log", "wb")  # noqa: SIM115 - closed below
     proc = subprocess.Popen([CHORUS, "up", args.config], stdout=log, stderr=subprocess.STDOUT, env=env,
                             start_new_session=True)
@@ -225,6 +226,8 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--sample-s", type=float, default=15.0)
     p.add_argument("--warmup-min", type=float, default=5.0, help="left out of the verdict (at most 20%% of the run)")
+    p.add_argument("--events-max-mb", type=int, default=16,
+                   help="cap of the events stream (nats.events_max_mb), small enough that the cap shows in a soak")
     p.add_argument("--out", default=str(ROOT / "runs" / "soak"))
     sys.exit(asyncio.run(soak(p.parse_args())))
 

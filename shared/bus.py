@@ -309,20 +309,22 @@ OBJECT_PUT_WINDOW = 32  # chunk publishes awaiting their JetStream ack at once
 
 
 async def write_object(js: JetStreamContext, bucket: str, name: str, parts: list[bytes | bytearray | memoryview], *,
-                       chunk_bytes: int, timeout_s: float = 120.0) -> int:
+                       chunk_bytes: int, timeout_s: float = 120.0, replace: bool = True) -> int:
     """Put the concatenation of ``parts`` in the object store as object ``name``, without joining them.
 
     Readable by any object store client (same chunk and meta subjects, SHA-256 digest, rollup meta). Unlike
     nats-py's ``ObjectStore.put``, which waits for each chunk's ack before sending the next (about 0.33
     GB/s here), up to ``OBJECT_PUT_WINDOW`` chunks are in flight, and the digest is computed in a worker
-    thread while they go out. A previous object of the same name is replaced and its chunks purged; on
-    failure the new chunks are purged. Returns the size.
+    thread while they go out. A previous object of the same name is replaced and its chunks purged (``replace``;
+    a name written for the first time saves the two lookups); on failure the new chunks are purged. Returns the
+    size.
     """
-    store = await js.object_store(bucket)
     stream = f"OBJ_{bucket}"
     previous = None
-    with contextlib.suppress(NotFoundError):
-        previous = await store.get_info(name)
+    if replace:
+        store = await js.object_store(bucket)
+        with contextlib.suppress(NotFoundError):
+            previous = await store.get_info(name)
     nuid = js._nc._nuid.next().decode()  # noqa: SLF001 - the client's own nuid source, as ObjectStore.put uses
     chunk_subject = f"$O.{bucket}.C.{nuid}"
     views = [memoryview(p).cast("B") for p in parts]

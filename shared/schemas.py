@@ -170,7 +170,7 @@ class MicroBatch(Message):
 class WeightsAnnounce(Message):
     """The trainer committed ``version`` of ``model``: its weights are in the object store under ``object_name``
     and, with transport ucx, also in the trainer's memory, served bucket by bucket over UCX. ``state_object``
-    holds the trainer's whole state of the version (weights, optimizer, step record). The newest announce is
+    holds the rest of the trainer's state of the version (optimizer, step record). The newest announce is
     also the value of KV ``weights.<model>``, the trainer's commit point."""
 
     model: str

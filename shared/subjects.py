@@ -185,7 +185,8 @@ class Names:
 
     @staticmethod
     def state_object(model: str, version: int, epoch: str) -> str:
-        """The trainer's committed state of a version: weights, optimizer, the step record, recent sample ids."""
+        """The trainer's committed state of a version (its weights are the weights object): optimizer, the step
+        record, recent sample ids."""
         return f"state/{model}/v{version}-{epoch}"
 
     @staticmethod

@@ -142,13 +142,17 @@ class NatsSource(WeightSource):
     def spare(self) -> Buffer | None:
         return self._spare
 
-    async def publish(self, header: WeightsHeader, buf: Buffer, name: str | None = None) -> str:
+    async def publish(self, header: WeightsHeader, buf: Buffer, name: str | None = None, *,
+                      prune: bool = True) -> str:
+        """Put the version under ``name`` (a name given is new: nothing to replace); ``prune``: delete what is
+        beyond the last ``KEEP`` now (else at :meth:`prune`, off the caller's critical path)."""
+        fresh = name is not None
         name = name or self.names.weights_object(self.model, header.version)
         parts = [head(header), memoryview(buf)[: header.nbytes]]  # the object is [header][buffer]; no join
         for attempt in range(1, PUT_ATTEMPTS + 1):
             try:
                 await write_object(self.js, self.names.obj_bucket, name, parts, chunk_bytes=self.chunk_bytes,
-                                   timeout_s=PUT_TIMEOUT_S)
+                                   timeout_s=PUT_TIMEOUT_S, replace=not fresh)
                 self._spare = buf  # the object store holds its own copy now
                 break
             except (TimeoutError, nats.errors.Error) as exc:
@@ -160,11 +164,16 @@ class NatsSource(WeightSource):
                 await asyncio.sleep(0.5 * 2**attempt)
         if name not in self._written:
             self._written.append(name)
+        if prune:
+            await self.prune()
+        return name
+
+    async def prune(self) -> None:
+        """Delete the objects this source wrote beyond the last ``KEEP``."""
         while len(self._written) > self.KEEP:
             old = self._written.popleft()
             with contextlib.suppress(TimeoutError, nats.errors.Error):
                 await asyncio.wait_for(delete_object(self.js, self.names.obj_bucket, old), timeout=30)
-        return name
 
 
 class UcxSource(WeightSource):

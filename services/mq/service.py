@@ -53,8 +53,11 @@ class MqService(Service):
 
     async def setup(self) -> None:
         assert self.model is not None
+        # Ids and groups already dispatched or dropped are remembered for a while (a redelivered copy is acked,
+        # not sent again); a copy that comes later still is caught by the trainer.
         self.store: ExperienceStore[Msg] = ExperienceStore(self.model, self.cfg.train.max_staleness,
-                                                           policy=Policy.of(self.cfg))
+                                                           policy=Policy.of(self.cfg),
+                                                           remember=max(10_000, 50 * self.cfg.mq_capacity))
         self.n_groups = self.cfg.micro_batch_groups()
         self.trained_version = await kv_get_int(self.kv, self.names.trained_key(self.model))
         self.ready_msgs = 0

@@ -72,14 +72,19 @@ class Commits:
         except DecodeError as exc:
             raise CommitPointError(f"KV {self.key} does not hold a WeightsAnnounce: {exc.reason}") from exc
 
-    async def read_state(self, ann: WeightsAnnounce) -> memoryview:
-        if not ann.state_object:
-            raise CommitPointError(f"commit of {self.model} v{ann.version} names no state object")
-        try:
-            return await read_object(self.js, self.names.obj_bucket, ann.state_object, timeout_s=120)
-        except nats.js.errors.NotFoundError as exc:
-            raise CommitPointError(f"the committed state {ann.state_object} of {self.model} v{ann.version} is "
-                                   "missing from the object store") from exc
+    async def read(self, ann: WeightsAnnounce) -> tuple[memoryview, memoryview]:
+        """The committed weights object (``[header][flat buffer]``) and state of ``ann``."""
+        if not ann.state_object or not ann.object_name:
+            raise CommitPointError(f"commit of {self.model} v{ann.version} does not name its objects")
+        out = []
+        for name in (ann.object_name, ann.state_object):
+            try:
+                out.append(await read_object(self.js, self.names.obj_bucket, name, timeout_s=120,
+                                             verify_digest=name == ann.state_object))
+            except nats.js.errors.NotFoundError as exc:
+                raise CommitPointError(f"{name}, committed for {self.model} v{ann.version}, is missing from the "
+                                       "object store") from exc
+        return out[0], out[1]
 
     async def commit(self, header: WeightsHeader, buf: Buffer, state: bytes, transport: str) -> WeightsAnnounce:
         """Write both objects of ``header.version``, then move the commit point to it; raises :class:`Fenced`."""
@@ -88,23 +93,30 @@ class Commits:
         version = header.version
         weights_name = self.names.weights_object(self.model, version, self.epoch)
         state_name = self.names.state_object(self.model, version, self.epoch)
-        await asyncio.gather(self.weights.publish(header, buf, weights_name), self._put(state_name, state))
+        await asyncio.gather(self.weights.publish(header, buf, weights_name, prune=False),
+                             self._put(state_name, state))
         ann = WeightsAnnounce(model=self.model, version=version, transport=transport,  # type: ignore[arg-type]
                               object_name=weights_name, checksum=header.checksum, nbytes=header.nbytes,
                               state_object=state_name)
         await self._swap(ann)
         self._states.append(state_name)
+        self.seconds += loop.time() - t0
+        return ann
+
+    async def prune(self) -> None:
+        """Delete the states and weights beyond what is kept (after the commit's acks and announce: off the
+        critical path of a step)."""
         while len(self._states) > KEEP_STATES:
             old = self._states.popleft()
             with contextlib.suppress(nats.errors.Error, TimeoutError):
                 await delete_object(self.js, self.names.obj_bucket, old)
-        self.seconds += loop.time() - t0
-        return ann
+        await self.weights.prune()
 
     async def _put(self, name: str, data: bytes) -> None:
         for attempt in range(1, ATTEMPTS + 1):
             try:
-                await write_object(self.js, self.names.obj_bucket, name, [data], chunk_bytes=self.chunk_bytes)
+                await write_object(self.js, self.names.obj_bucket, name, [data], chunk_bytes=self.chunk_bytes,
+                                   replace=False)
                 return
             except (nats.errors.Error, TimeoutError) as exc:
                 log.warning("state upload failed", model=self.model, object=name, attempt=attempt,

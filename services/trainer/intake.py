@@ -13,7 +13,7 @@ from shared.schemas import Sample
 class SeenIds:
     """Sample ids already trained (or accepted into the running accumulation); bounded, oldest forgotten first."""
 
-    def __init__(self, capacity: int = 1_000_000) -> None:
+    def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self._ids: OrderedDict[str, None] = OrderedDict()
 

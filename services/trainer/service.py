@@ -32,13 +32,13 @@ from services.trainer.commits import CommitPointError, Commits, Fenced
 from services.trainer.grpo import micro_batch_advantages
 from services.trainer.intake import SeenIds, StepBook, filter_samples
 from services.trainer.learner import Learner
-from services.trainer.state import Committed, RecentSteps, pack_state, unpack_state
+from services.trainer.state import Committed, RecentSteps, pack_state, steps_remembered, unpack_state
 from shared.bus import fetch, kv_put_int_max, pull_consumer, stream_seq
 from shared.codec import DecodeError, decode, encode
 from shared.logs import append_line
 from shared.schemas import DropEvent, MicroBatch, Sample, StepRecord, WeightsAnnounce
 from shared.service import Service
-from shared.weights import Buffer, WeightsHeader, flatten
+from shared.weights import Buffer, WeightsHeader, flatten, load_into, unpack
 from shared.weightsync import NatsSource, UcxSource, WeightSource, resolve_transport
 
 T = TypeVar("T")
@@ -75,8 +75,10 @@ class TrainerService(Service):
         self.epoch = uuid.uuid4().hex[:8]
         self.commits = Commits(self.js, self.kv, self.names, self.model, durable, self.epoch,
                                self.cfg.paramsync.chunk_kb * 1024)
-        self.seen = SeenIds()
-        self.recent = RecentSteps()
+        # Ids trained in the remembered steps, and in the accumulating one: a copy is a duplicate, not a sample.
+        self.remembered = steps_remembered(self.train.max_staleness)
+        self.seen = SeenIds(self.remembered * (self.train.global_batch + self.train.micro_batch))
+        self.recent = RecentSteps(self.remembered)
         self.book = StepBook()
         self.held: list[Msg] = []  # micro-batches of the accumulating step, acked once it is committed
         self.queue: list[Msg] = []  # fetched, not yet handled
@@ -136,10 +138,8 @@ class TrainerService(Service):
         ann = await self.commits.latest()
         record = None
         if ann is not None:
-            committed: Committed = await self._torch(unpack_state, await self.commits.read_state(ann))
-            if committed.version != ann.version:
-                raise CommitPointError(f"the state object of {self.model} v{ann.version} holds v{committed.version}")
-            await self._torch(self.learner.load_state_dict, committed.learner)
+            weights, state = await self.commits.read(ann)
+            committed: Committed = await self._torch(self._load_commit, ann, weights, state)
             self.recent = committed.recent
             self.seen.add_all(self.recent.ids())
             record = committed.record
@@ -324,6 +324,7 @@ class TrainerService(Service):
         self.log.info("step", version=result.version, samples=result.samples, loss=round(result.loss, 5),
                       reward_mean=round(record.reward_mean, 4))
         await self._announce(ann)
+        await self.commits.prune()
         every = self.train.checkpoint_every
         if every and result.version % every == 0:
             path = await self._torch(self.learner.save_checkpoint, self.ckpt_dir)
@@ -351,7 +352,24 @@ class TrainerService(Service):
                        bucket_bytes=self.source.bucket_bytes, out=out)
 
     def _pack(self, record: dict[str, Any] | None) -> bytes:
-        return pack_state(self.learner.state_dict(), record, self.recent)
+        return pack_state(self.learner.version, self.learner.optimizer.state_dict(), record, self.recent)
+
+    def _load_commit(self, ann: WeightsAnnounce, weights: memoryview, state: memoryview) -> Committed:
+        """Worker thread: the learner as committed: the weights object's tensors (every bucket checked) and the
+        state's optimizer and version."""
+        committed = unpack_state(state, self.remembered)
+        header, body = unpack(weights)
+        if committed.version != ann.version or header.version != ann.version or header.checksum != ann.checksum:
+            raise CommitPointError(f"the objects of {self.model} v{ann.version} hold state v{committed.version} and "
+                                   f"weights v{header.version} ({header.checksum}, committed {ann.checksum})")
+        tensors = {name: t.clone() for name, t in self.learner.named_tensors().items()}
+        if {s.name for s in header.slots} != set(tensors):
+            raise CommitPointError(f"the committed weights of {self.model} v{ann.version} do not hold this model's "
+                                   f"tensors (was models.{self.model} changed since?)")
+        load_into(tensors, header, body, verify=True)
+        self.learner.load_state_dict({"version": committed.version, "model": tensors,
+                                      "optimizer": committed.optimizer})
+        return committed
 
     async def _commit(self, record: dict[str, Any] | None) -> WeightsAnnounce | None:
         """Commit the learner's version (retried while the broker is away); None if stopping first. With

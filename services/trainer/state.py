@@ -1,8 +1,8 @@
 """What a trainer commits with every version, and what it needs back after a restart (knows nothing of NATS).
 
-A committed version is the learner's state (version, shipped tensors, optimizer), the record of the step that
-made it (which samples it trained) and the sample ids of the last steps, so that a restarted trainer knows a
-redelivered micro-batch it already trained for a duplicate.
+A committed version is its weights (the flat buffer rollouters load, written beside this) and this state: the
+optimizer's, the record of the step that made the version (which samples it trained) and the sample ids of the
+last steps, so that a restarted trainer knows a redelivered micro-batch it already trained for a duplicate.
 """
 
 from __future__ import annotations
@@ -13,7 +13,13 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-RECENT_STEPS = 64  # committed steps whose sample ids a restarted trainer still recognises
+RECENT_STEPS = 64  # committed steps whose sample ids a restarted trainer still recognises, at least
+
+
+def steps_remembered(max_staleness: int) -> int:
+    """How many committed steps' sample ids to keep: a copy of a sample that arrives later than this is stale
+    (older than ``max_staleness``) anyway, so it is dropped, never trained again."""
+    return max(RECENT_STEPS, max_staleness + 2)
 
 
 class RecentSteps:
@@ -35,23 +41,20 @@ class RecentSteps:
 
 @dataclass
 class Committed:
-    """A committed version as read back."""
+    """A committed state as read back (the weights come from the version's weights object)."""
 
-    learner: dict[str, Any]  # Learner.state_dict(): version, model tensors, optimizer
+    version: int
+    optimizer: dict[str, Any]  # the optimizer's state_dict
     record: dict[str, Any] | None  # the step event of this version (None for the initial version)
     recent: RecentSteps = field(default_factory=RecentSteps)
 
-    @property
-    def version(self) -> int:
-        return int(self.learner["version"])
 
-
-def pack_state(learner: dict[str, Any], record: dict[str, Any] | None, recent: RecentSteps) -> bytes:
-    """One blob (torch.save) of a committed version."""
+def pack_state(version: int, optimizer: dict[str, Any], record: dict[str, Any] | None, recent: RecentSteps) -> bytes:
+    """One blob (torch.save) of a committed version's state."""
     import torch
 
     buf = io.BytesIO()
-    torch.save({"learner": learner, "record": record, "recent": recent.to_list()}, buf)
+    torch.save({"version": version, "optimizer": optimizer, "record": record, "recent": recent.to_list()}, buf)
     return buf.getvalue()
 
 
@@ -60,7 +63,7 @@ def unpack_state(data: bytes | memoryview, keep: int = RECENT_STEPS) -> Committe
     import torch
 
     raw = torch.load(io.BytesIO(bytes(data)), map_location="cpu", weights_only=True)
-    if not isinstance(raw, dict) or not {"learner", "record", "recent"} <= set(raw):
-        raise ValueError("not a committed trainer state (expected learner, record and recent)")
+    if not isinstance(raw, dict) or not {"version", "optimizer", "record", "recent"} <= set(raw):
+        raise ValueError("not a committed trainer state (expected version, optimizer, record and recent)")
     recent = RecentSteps(keep, ((int(v), [str(i) for i in ids]) for v, ids in raw["recent"]))
-    return Committed(raw["learner"], raw["record"], recent)
+    return Committed(int(raw["version"]), raw["optimizer"], raw["record"], recent)

@@ -23,7 +23,7 @@ from shared.config import ChorusConfig, load_config
 from shared.schemas import Array, MicroBatch, Sample, WeightsAnnounce
 from shared.subjects import Names
 from shared.tokenizer import BOS_ID, EOS_ID
-from shared.weights import WeightsHeader, checksum, flatten
+from shared.weights import WeightsHeader, checksum, flatten, unpack
 from shared.weightsync import NatsSource, make_sink
 
 MODEL = "m"
@@ -374,7 +374,8 @@ async def test_a_stale_trainer_loses_the_commit_to_a_newer_one(nats_url, run_id,
             await old.commit(h1, flatten(MODEL, 1, {"w": torch.full((4,), 2.0)})[1], b"state v1 of old", "nats")
         latest = await commits("reader").latest()
         assert latest == ann and latest.state_object.endswith("-new")
-        assert bytes(await new.read_state(latest)) == b"state v1 of new"
+        weights, state = await new.read(latest)
+        assert bytes(state) == b"state v1 of new" and unpack(weights)[0].checksum == h1.checksum
         # The loser's objects are left over; a restart's sweep removes what no commit names.
         await new.sweep(latest)
         assert not [n for n in await object_names(js, names.obj_bucket) if n.endswith("-old") and "/v1" in n]

@@ -284,7 +284,7 @@ def test_a_lora_checkpoint_holds_only_adapters_and_restores_the_next_step_exactl
 
 
 def test_stale_and_duplicate_samples_are_split_from_the_ones_to_train():
-    seen = SeenIds()
+    seen = SeenIds(capacity=100)
     seen.add_all(["in0_0_0"])
     batch = [make_sample(0, version=5), make_sample(1, version=5), make_sample(2, version=2),
              make_sample(3, version=4), make_sample(1, version=5)]

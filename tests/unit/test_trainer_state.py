@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from services.trainer.learner import Learner
-from services.trainer.state import RecentSteps, pack_state, unpack_state
+from services.trainer.state import RECENT_STEPS, RecentSteps, pack_state, steps_remembered, unpack_state
 from shared.config import load_config
 from shared.subjects import Names
 
@@ -20,7 +20,14 @@ def test_recent_steps_keep_the_ids_of_the_last_steps_only() -> None:
     assert RecentSteps(2, [(v, ids) for v, ids in recent.to_list()]).to_list() == recent.to_list()
 
 
-def test_a_committed_state_restores_weights_optimizer_and_version(tmp_path) -> None:
+def test_a_copy_older_than_the_remembered_steps_is_stale_anyway() -> None:
+    assert steps_remembered(0) == steps_remembered(2) == RECENT_STEPS
+    # trained at step T from version v >= T - s; a copy arriving at T + k has staleness >= k: stale once k > s.
+    for s in (0, 2, 63, 100, 1000):
+        assert steps_remembered(s) > s + 1
+
+
+def test_a_committed_state_restores_the_optimizer_version_and_record(tmp_path) -> None:
     p = tmp_path / "run.yaml"
     p.write_text("models: {m: {arch: {hidden_size: 16, num_layers: 1, num_heads: 2, intermediate_size: 32}}}\n"
                  "agents: {solver: {model: m}, verifier: {model: m}}\n")
@@ -30,20 +37,19 @@ def test_a_committed_state_restores_weights_optimizer_and_version(tmp_path) -> N
         for t in a.trainable:
             t.grad = torch.ones_like(t)
     a.optimizer.step()
-    a.version = 7
     recent = RecentSteps()
     recent.add(7, ["x_0_0", "x_0_1"])
-    blob = pack_state(a.state_dict(), {"version": 7, "sample_ids": ["x_0_0", "x_0_1"]}, recent)
+    blob = pack_state(7, a.optimizer.state_dict(), {"version": 7, "sample_ids": ["x_0_0", "x_0_1"]}, recent)
 
-    b = Learner(cfg, "m")
     got = unpack_state(blob)
-    b.load_state_dict(got.learner)
-    assert got.version == 7 and b.version == 7 and got.record == {"version": 7, "sample_ids": ["x_0_0", "x_0_1"]}
+    assert got.version == 7 and got.record == {"version": 7, "sample_ids": ["x_0_0", "x_0_1"]}
     assert list(got.recent.ids()) == ["x_0_0", "x_0_1"]
-    for (name, ta), tb in zip(a.named_tensors().items(), b.named_tensors().values(), strict=True):
-        assert torch.equal(ta, tb), name
+    b = Learner(cfg, "m")
+    b.load_state_dict({"version": got.version, "model": a.named_tensors(), "optimizer": got.optimizer})
     sa, sb = a.optimizer.state_dict()["state"], b.optimizer.state_dict()["state"]
-    assert sa.keys() == sb.keys() and all(torch.equal(sa[k]["exp_avg"], sb[k]["exp_avg"]) for k in sa)
+    assert b.version == 7 and sa.keys() == sb.keys()
+    assert all(torch.equal(sa[k]["exp_avg"], sb[k]["exp_avg"]) and torch.equal(sa[k]["exp_avg_sq"], sb[k]["exp_avg_sq"])
+               for k in sa)
 
 
 def test_a_blob_that_is_not_a_committed_state_is_refused() -> None:
