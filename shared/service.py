@@ -38,6 +38,7 @@ M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
 RECORD_BACKOFF_S = (0.1, 2.0)  # first and largest wait between attempts to write a record
 START_WAIT_S = 60.0  # how long a starting service waits for the broker and its JetStream
+EX_TEMPFAIL = 75  # the exit code of a start the broker failed (sysexits' temporary failure)
 
 
 class Service:
@@ -154,6 +155,11 @@ class Service:
             loop.add_signal_handler(sig, self.stop)
         try:
             await self.start()
+        except (nats.errors.Error, TimeoutError, OSError) as exc:
+            self.log.error("service could not start: the broker did not answer in time",
+                           error=f"{type(exc).__name__}: {exc}")
+            await self._close()
+            return EX_TEMPFAIL
         except Exception as exc:
             self.log.error("service failed to start", error=f"{type(exc).__name__}: {exc}")
             await self._close()
@@ -341,10 +347,23 @@ def main_for(service: type[Service], argv: list[str] | None = None) -> None:
         print("error: no NATS URL: pass --nats nats://HOST:PORT or set nats.url in the config", file=sys.stderr)
         sys.exit(2)
     try:
-        svc = service(cfg, nats_url=url, instance=args.instance, model=args.model)
+        service(cfg, nats_url=url, instance=args.instance, model=args.model)  # the arguments are checked here
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
     import uvloop
 
-    sys.exit(uvloop.run(svc.serve()))
+    sys.exit(uvloop.run(serve_until_started(lambda: service(cfg, nats_url=url, instance=args.instance,
+                                                                model=args.model))))
+
+
+async def serve_until_started(make: Callable[[], Service]) -> int:
+    """Serve a fresh instance again while starting fails on the broker (a cluster still electing leaders, a
+    server restarting), for up to ``START_WAIT_S``; a service that started and stopped is not restarted here."""
+    deadline = time.monotonic() + START_WAIT_S
+    while True:
+        svc = make()
+        code = await svc.serve()
+        if code != EX_TEMPFAIL or svc.stopping or time.monotonic() > deadline:
+            return code
+        await asyncio.sleep(1.0)
