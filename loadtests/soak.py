@@ -38,7 +38,8 @@ RSS_LIMIT_PCT = 10.0
 
 
 def process_key(pid: int) -> str | None:
-    """``trainer-solver_lm-0`` for a service process, ``nats-server`` for the broker, None otherwise."""
+    """``trainer-solver_lm-0`` for a service process, ``actions.worker-<pid>`` for a helper process of one,
+    ``nats-server`` for the broker, None otherwise."""
     try:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
     except OSError:
@@ -50,6 +51,8 @@ def process_key(pid: int) -> str | None:
     module = argv[argv.index("-m") + 1]
     if not module.startswith("services."):
         return None
+    if module.count(".") > 1:  # not a service's entry point: a worker process of one
+        return f"{module.removeprefix('services.')}-{pid}"
 
     def opt(name: str) -> str | None:
         return argv[argv.index(name) + 1] if name in argv else None

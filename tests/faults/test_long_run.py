@@ -14,6 +14,7 @@ import pytest
 
 from shared.bus import kv_get_int, run_consumers
 from shared.subjects import Names
+from tests.conftest import ROOT
 from tests.e2e.cluster import Cluster
 from tests.faults.harness import MODELS, Broker, fault_config
 
@@ -46,9 +47,13 @@ async def test_the_tiny_run_at_concurrency_64_keeps_training_with_a_flat_consume
         codes = await cluster.stop_all()
         await nc.close()
         broker.stop()
-    print("\nseconds  " + "  ".join(MODELS) + "  consumers")
-    for t, trained, consumers in samples:
-        print(f"{t:7.0f}  " + "  ".join(f"{trained[m]:>{len(m)}}" for m in MODELS) + f"  {consumers:9}")
+    lines = ["seconds  " + "  ".join(MODELS) + "  consumers"]
+    lines += [f"{t:7.0f}  " + "  ".join(f"{trained[m]:>{len(m)}}" for m in MODELS) + f"  {consumers:9}"
+              for t, trained, consumers in samples]
+    print("\n" + "\n".join(lines))
+    out = ROOT / "runs" / "faults"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"long-run-{minutes:g}min.txt").write_text("\n".join(lines) + "\n")
     assert all(c == 0 for c in codes.values()), codes
 
     # Keeps training: every fifth of the run (after the first, which includes start-up) adds versions.
