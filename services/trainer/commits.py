@@ -54,6 +54,7 @@ class Commits:
         self.revision = 0  # of the commit point as this trainer last read or wrote it; 0: no commit yet
         self._states: deque[str] = deque()
         self.seconds = 0.0  # time spent committing, for the metrics
+        self.last_seconds = 0.0
 
     @property
     def key(self) -> str:
@@ -100,7 +101,8 @@ class Commits:
                               state_object=state_name)
         await self._swap(ann)
         self._states.append(state_name)
-        self.seconds += loop.time() - t0
+        self.last_seconds = loop.time() - t0
+        self.seconds += self.last_seconds
         return ann
 
     async def prune(self) -> None:

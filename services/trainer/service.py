@@ -322,7 +322,7 @@ class TrainerService(Service):
         self.counters["steps"] += 1
         await asyncio.to_thread(append_line, self.metrics_path, json.dumps(line, separators=(",", ":")))
         self.log.info("step", version=result.version, samples=result.samples, loss=round(result.loss, 5),
-                      reward_mean=round(record.reward_mean, 4))
+                      reward_mean=round(record.reward_mean, 4), commit_s=round(self.commits.last_seconds, 3))
         await self._announce(ann)
         await self.commits.prune()
         every = self.train.checkpoint_every
