@@ -36,6 +36,9 @@ class ModelReport:
     trained: int = 0  # distinct sample ids in step records
     dropped: Counter[str] = field(default_factory=Counter)  # reason -> distinct sample ids
     missing: list[str] = field(default_factory=list)  # published, neither trained nor dropped
+    # Seen on the wire before a kill that took the broker and the publisher together, never stored by the stream
+    # (so never acknowledged to a publisher that is gone): not work the run accepted. Only with ``killed_at``.
+    unstored_at_kill: list[str] = field(default_factory=list)
     trained_twice: list[str] = field(default_factory=list)  # in the records of two versions
     conflicting_versions: list[int] = field(default_factory=list)  # two different records of one version
     versions: list[int] = field(default_factory=list)  # versions with a step record
@@ -180,8 +183,10 @@ class Ledger:
             worst = max(worst, min(times, default=float("inf")) - since)
         return round(worst, 1)
 
-    async def report(self) -> dict[str, ModelReport]:
-        """Check every invariant per model from the records."""
+    async def report(self, killed_at: float | None = None) -> dict[str, ModelReport]:
+        """Check every invariant per model from the records. ``killed_at``: wall time at which the whole run (the
+        broker and every publisher) was killed; a sample seen published before it that the traj stream never
+        stored goes to ``unstored_at_kill`` instead of ``missing`` (the stream's count proves it was not stored)."""
         assert self.nc is not None
         js = self.nc.jetstream(timeout=10)
         records = await self.records()
@@ -214,6 +219,10 @@ class Ledger:
                 if sid not in trained_at[m]:
                     r.dropped[reason] += 1
             r.missing = sorted(self.published[m] - set(trained_at[m]) - set(dropped[m]))
+            if killed_at is not None and r.accounted == r.stored:
+                # Every message the stream stored is trained or dropped, so what is missing was never stored.
+                r.unstored_at_kill = [s for s in r.missing if self.published_at.get(s, float("inf")) <= killed_at]
+                r.missing = [s for s in r.missing if s not in set(r.unstored_at_kill)]
             r.versions = sorted(steps[m])
             r.served_regression = self.regression[m]["served"]
             r.trained_regression = self.regression[m]["trained"]
