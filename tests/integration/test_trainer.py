@@ -223,15 +223,7 @@ async def test_trainer_restarts_from_its_newest_checkpoint(nats_url, run_id, tmp
     js = nc.jetstream()
     watch = Watch()
     await watch.attach(nc, names)
-    svc, task = await start(cfg, nats_url)
-    try:
-        await wait_until(lambda: watch.announces, what="the v0 announce")
-        await publish_batch(js, names, run_id, "a", version=0)
-        await wait_until(lambda: [a for a in watch.announces if a.version == 1], what="the v1 announce")
-        trained_v1 = await fetch_weights(js, names, watch.announces[-1])
-    finally:
-        svc.stop()
-        assert await asyncio.wait_for(task, 30) == 0
+    trained_v1, _ = await _train_v1(cfg, nats_url, js, names, watch, run_id)
     assert (cfg.run_dir / "checkpoints" / MODEL / "v1.pt").is_file()
 
     watch.announces.clear()
@@ -312,16 +304,7 @@ async def test_a_restarted_trainer_continues_from_its_commit_and_knows_what_it_t
     js = nc.jetstream()
     watch = Watch()
     await watch.attach(nc, names)
-    svc, task = await start(cfg, nats_url)
-    try:
-        await wait_until(lambda: watch.announces, what="the v0 announce")
-        await publish_batch(js, names, run_id, "a", version=0)
-        await wait_until(lambda: [a for a in watch.announces if a.version == 1], what="the v1 announce")
-        v1 = await fetch_weights(js, names, watch.announces[-1])
-        first_epoch = svc.epoch
-    finally:
-        svc.stop()
-        assert await asyncio.wait_for(task, 30) == 0
+    v1, first_epoch = await _train_v1(cfg, nats_url, js, names, watch, run_id)
     assert not (cfg.run_dir / "checkpoints").exists()
 
     watch.announces.clear()
@@ -396,3 +379,16 @@ async def _stream_events(js: Any, names: Names) -> list[dict[str, Any]]:
     finally:
         await sub.unsubscribe()
     return out
+
+
+async def _train_v1(cfg, nats_url, js, names, watch, run_id) -> tuple[bytes, str]:  # noqa: ANN001
+    """Start a trainer, train version 1 on group "a" and stop it: (the v1 weights, the trainer's epoch)."""
+    svc, task = await start(cfg, nats_url)
+    try:
+        await wait_until(lambda: watch.announces, what="the v0 announce")
+        await publish_batch(js, names, run_id, "a", version=0)
+        await wait_until(lambda: [a for a in watch.announces if a.version == 1], what="the v1 announce")
+        return await fetch_weights(js, names, watch.announces[-1]), svc.epoch
+    finally:
+        svc.stop()
+        assert await asyncio.wait_for(task, 30) == 0
