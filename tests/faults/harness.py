@@ -25,6 +25,7 @@ from tests.faults.ledger import Ledger, ModelReport, violations
 
 MODELS = ["solver_lm", "verifier_lm"]
 SERVICE_KINDS = ("coordinator", "actions", "mq", "trainer", "rollouter", "paramsync")
+LAGGING = "(lagging)"  # a Fault's model: whichever is furthest from the end, so the fault lands mid-run
 
 
 def fault_config(tmp_path: Path, run_id: str, *, max_versions: int, replicas: int = 1, concurrency: int = 8,
@@ -79,10 +80,11 @@ class Fault:
     target: str
     action: str
     at_version: int = 0  # injected once the target model's trained version reaches this
-    model: str = MODELS[0]
+    model: str = MODELS[0]  # LAGGING: the model furthest behind once every model reached ``at_version``
     node: int = 0  # which broker node (target nats)
     down_s: float = 5.0  # kill: restarted this much later (< 0: never); stop: frozen this long
     ended_at: float = 0.0  # wall time the process or node was back (restarted, thawed; killed for good: the kill)
+    landed_at: dict[str, int] = field(default_factory=dict)  # trained version of every model when it was injected
     recovered_s: float = 0.0  # from then until every model trained a sample generated after it
 
     @property
@@ -140,6 +142,7 @@ class FaultRun:
     # --- faults ---------------------------------------------------------------------------
     async def _inject(self, fault: Fault) -> None:
         before = await self.ledger.trained()
+        fault.landed_at = dict(before)
         self.log.append(f"{time.strftime('%H:%M:%S')} {fault.name} at {before}")
         if fault.target == "nats":
             node = self.broker.nodes[fault.node]
@@ -194,6 +197,11 @@ class FaultRun:
             for fault in faults:
                 if fault.target not in SERVICE_KINDS + ("nats",):
                     raise ValueError(f"unknown fault target {fault.target!r}")
+                if fault.model == LAGGING:
+                    await self._until(lambda v=fault.at_version: self._reached_all(v), timeout_s,
+                                      f"every model reaching v{fault.at_version} before {fault.name}")
+                    now = await self.ledger.trained()
+                    fault.model = min(MODELS, key=lambda m: now[m])
                 model = fault.model if fault.target != "nats" else MODELS[0]
                 await self._until(lambda m=model, v=fault.at_version: self._reached(m, v), timeout_s,
                                   f"{model} reaching v{fault.at_version} before {fault.name}")
@@ -213,7 +221,16 @@ class FaultRun:
         problems = violations(reports, self.max_versions)
         problems += [f"rollouter {p}" for p in paused]
         problems += [f"fault {f.name} never recovered" for f in faults if f.recovered_s == float("inf")]
+        problems += [f"fault {f.name} landed after the run had finished ({f.landed_at})" for f in faults
+                     if not self._mid_run(f)]
         return Outcome(faults, reports, problems, self.unexpected, round(time.monotonic() - t0, 1), paused)
+
+    def _mid_run(self, fault: Fault) -> bool:
+        """A fault proves something only while training goes on: its model's (a shared service's or the broker's:
+        every model's) trained version was below the end when it was injected."""
+        per_model = fault.target in ("mq", "trainer", "rollouter", "paramsync")
+        models = [fault.model] if per_model else MODELS
+        return all(fault.landed_at.get(m, self.max_versions) < self.max_versions for m in models)
 
     async def _reached(self, model: str, version: int) -> bool:
         return (await self.ledger.trained())[model] >= version
@@ -253,4 +270,4 @@ def table(outcomes: list[tuple[str, Outcome]]) -> str:
 
 def describe(outcome: Outcome) -> dict[str, Any]:
     return {"problems": outcome.problems, "unexpected_exits": outcome.unexpected_exits,
-            "faults": [(f.name, f.recovered_s) for f in outcome.faults]}
+            "faults": [(f.name, f.landed_at, f.recovered_s) for f in outcome.faults]}

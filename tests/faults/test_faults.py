@@ -1,9 +1,9 @@
 """Fault injection: kill or freeze any one process or broker node mid-run; the run completes, nothing is lost.
 
 ``make test`` runs the short form: one run in which every service kind and the nats-server are SIGKILLed in
-turn. ``make faults`` runs every case on its own run: SIGKILL and SIGSTOP of each service kind, of the
-nats-server, and SIGKILL of one node of a three-node cluster with ``nats.replicas: 3``; it prints the table of
-cases and writes it to ``runs/faults/report.md``.
+turn, each while its model is still training. ``make faults`` runs every case on its own run: SIGKILL and
+SIGSTOP of each service kind, of the nats-server, and SIGKILL of one node of a three-node cluster with
+``nats.replicas: 3``; it prints the table of cases and writes it to ``runs/faults/report.md``.
 """
 
 from __future__ import annotations
@@ -12,23 +12,38 @@ import random
 
 import pytest
 
-from tests.faults.harness import MODELS, SERVICE_KINDS, Broker, Fault, FaultRun, describe, fault_config, table
+from tests.faults.harness import (
+    LAGGING,
+    MODELS,
+    SERVICE_KINDS,
+    Broker,
+    Fault,
+    FaultRun,
+    describe,
+    fault_config,
+    table,
+)
 
+GAUNTLET_VERSIONS = 60
 FREEZE_S = 20.0  # longer than every timeout of the fault config (requests 10 s, ack waits 10 and 15 s)
 
 
 async def test_every_service_kind_and_the_broker_killed_in_one_run(tmp_path, run_id, fault_table):
-    faults = [Fault("trainer", "kill", 4, MODELS[0]), Fault("paramsync", "kill", 8, MODELS[1]),
-              Fault("mq", "kill", 12, MODELS[0]), Fault("rollouter", "kill", 16, MODELS[1]),
-              Fault("coordinator", "kill", 20), Fault("actions", "kill", 24), Fault("nats", "kill", 28)]
+    # Restarted 2 s later. The faults that stop both models come first; then each per-model kind, on whichever
+    # model is behind (the other races ahead while one is down): every fault must land while its model (for a
+    # shared one: both) is still training.
+    faults = [Fault(kind, "kill", at, model, down_s=2.0) for kind, at, model in (
+        ("coordinator", 3, MODELS[0]), ("actions", 6, MODELS[0]), ("nats", 9, MODELS[0]),
+        ("paramsync", 12, LAGGING), ("rollouter", 15, LAGGING), ("trainer", 18, LAGGING), ("mq", 24, LAGGING))]
     broker = Broker.single(tmp_path / "nats")
     try:
-        config = fault_config(tmp_path, run_id, max_versions=36)
-        outcome = await FaultRun(tmp_path, run_id, broker, config, max_versions=36).run(faults)
+        config = fault_config(tmp_path, run_id, max_versions=GAUNTLET_VERSIONS)
+        outcome = await FaultRun(tmp_path, run_id, broker, config, max_versions=GAUNTLET_VERSIONS).run(faults)
     finally:
         broker.stop()
-    fault_table.append(("every kind, then nats-server, killed in one run", outcome))
+    fault_table.append(("every kind and nats-server killed in turn in one run", outcome))
     print(table([("gauntlet", outcome)]))
+    print("trained versions at each fault:", [(f.name, f.model, f.landed_at) for f in outcome.faults])
     assert not outcome.problems, describe(outcome)
     assert not outcome.unexpected_exits, describe(outcome)
     for r in outcome.reports.values():
