@@ -25,6 +25,7 @@ from tests.faults.ledger import Ledger, ModelReport, violations
 
 MODELS = ["solver_lm", "verifier_lm"]
 SERVICE_KINDS = ("coordinator", "actions", "mq", "trainer", "rollouter", "paramsync")
+PER_MODEL_KINDS = ("mq", "trainer", "rollouter", "paramsync")  # one process per model; the others serve all
 LAGGING = "(lagging)"  # a Fault's model: whichever is furthest from the end, so the fault lands mid-run
 
 
@@ -92,6 +93,11 @@ class Fault:
         where = f"node {self.node}" if self.target == "nats" else self.target
         return f"{self.action} {where}"
 
+    @property
+    def per_model(self) -> bool:
+        """The target serves one model (``model``); a shared service or the broker serves every model."""
+        return self.target in PER_MODEL_KINDS
+
 
 @dataclass
 class Outcome:
@@ -119,9 +125,7 @@ class FaultRun:
 
     # --- processes ------------------------------------------------------------------------
     def _key(self, fault: Fault) -> str:
-        if fault.target in ("coordinator", "actions"):
-            return f"{fault.target}-0"
-        return f"{fault.target}-{fault.model}-0"
+        return f"{fault.target}-{fault.model}-0" if fault.per_model else f"{fault.target}-0"
 
     def _start(self, key: str) -> None:
         service, *rest = key.split("-")
@@ -228,8 +232,7 @@ class FaultRun:
     def _mid_run(self, fault: Fault) -> bool:
         """A fault proves something only while training goes on: its model's (a shared service's or the broker's:
         every model's) trained version was below the end when it was injected."""
-        per_model = fault.target in ("mq", "trainer", "rollouter", "paramsync")
-        models = [fault.model] if per_model else MODELS
+        models = [fault.model] if fault.per_model else MODELS
         return all(fault.landed_at.get(m, self.max_versions) < self.max_versions for m in models)
 
     async def _reached(self, model: str, version: int) -> bool:

@@ -75,8 +75,7 @@ async def test_one_fault_at_a_random_point(target, action, tmp_path, run_id, fau
                                  seed=at).run([fault])
     finally:
         broker.stop()
-    name = f"{action} {target}" + (f" ({fault.model})" if target in ("mq", "trainer", "rollouter", "paramsync")
-                                   else "")
+    name = f"{action} {target}" + (f" ({fault.model})" if fault.per_model else "")
     fault_table.append((name, outcome))
     print(table([(name, outcome)]))
     assert not outcome.problems, describe(outcome)
