@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import signal
 import sys
 import time
@@ -346,24 +347,25 @@ def main_for(service: type[Service], argv: list[str] | None = None) -> None:
     if not url:
         print("error: no NATS URL: pass --nats nats://HOST:PORT or set nats.url in the config", file=sys.stderr)
         sys.exit(2)
+    make = functools.partial(service, cfg, nats_url=url, instance=args.instance, model=args.model)
     try:
-        service(cfg, nats_url=url, instance=args.instance, model=args.model)  # the arguments are checked here
+        first = make()  # the arguments are checked here
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
     import uvloop
 
-    sys.exit(uvloop.run(serve_until_started(lambda: service(cfg, nats_url=url, instance=args.instance,
-                                                                model=args.model))))
+    sys.exit(uvloop.run(serve_until_started(first, make)))
 
 
-async def serve_until_started(make: Callable[[], Service]) -> int:
-    """Serve a fresh instance again while starting fails on the broker (a cluster still electing leaders, a
-    server restarting), for up to ``START_WAIT_S``; a service that started and stopped is not restarted here."""
+async def serve_until_started(svc: Service, make: Callable[[], Service]) -> int:
+    """Serve ``svc``, then a fresh instance from ``make`` again while starting fails on the broker (a cluster
+    still electing leaders, a server restarting), for up to ``START_WAIT_S``; a service that started and
+    stopped is not restarted here."""
     deadline = time.monotonic() + START_WAIT_S
     while True:
-        svc = make()
         code = await svc.serve()
         if code != EX_TEMPFAIL or svc.stopping or time.monotonic() > deadline:
             return code
         await asyncio.sleep(1.0)
+        svc = make()

@@ -143,16 +143,16 @@ class NatsSource(WeightSource):
         return self._spare
 
     async def publish(self, header: WeightsHeader, buf: Buffer, name: str | None = None, *,
-                      prune: bool = True) -> str:
-        """Put the version under ``name`` (a name given is new: nothing to replace); ``prune``: delete what is
-        beyond the last ``KEEP`` now (else at :meth:`prune`, off the caller's critical path)."""
-        fresh = name is not None
+                      replace: bool = True, prune: bool = True) -> str:
+        """Put the version under ``name``; ``replace=False`` when the name is new (saves the lookup of an object
+        to replace); ``prune``: delete what is beyond the last ``KEEP`` now (else at :meth:`prune`, off the
+        caller's critical path)."""
         name = name or self.names.weights_object(self.model, header.version)
         parts = [head(header), memoryview(buf)[: header.nbytes]]  # the object is [header][buffer]; no join
         for attempt in range(1, PUT_ATTEMPTS + 1):
             try:
                 await write_object(self.js, self.names.obj_bucket, name, parts, chunk_bytes=self.chunk_bytes,
-                                   timeout_s=PUT_TIMEOUT_S, replace=not fresh)
+                                   timeout_s=PUT_TIMEOUT_S, replace=replace)
                 self._spare = buf  # the object store holds its own copy now
                 break
             except (TimeoutError, nats.errors.Error) as exc:

@@ -94,7 +94,7 @@ class Commits:
         version = header.version
         weights_name = self.names.weights_object(self.model, version, self.epoch)
         state_name = self.names.state_object(self.model, version, self.epoch)
-        await asyncio.gather(self.weights.publish(header, buf, weights_name, prune=False),
+        await asyncio.gather(self.weights.publish(header, buf, weights_name, replace=False, prune=False),
                              self._put(state_name, state))
         ann = WeightsAnnounce(model=self.model, version=version, transport=transport,  # type: ignore[arg-type]
                               object_name=weights_name, checksum=header.checksum, nbytes=header.nbytes,
