@@ -169,6 +169,14 @@ class WorkflowConfig(Section):
     # samples group_size candidates, scores them with the task's check, and the episode goes on from the
     # best (AT-GRPO's tree-structured sampling); the candidates of a step form its group.
     sampling: Literal["parallel", "tree"] = "parallel"
+    # The user's workflow code: one call (one rollout of a task) that runs longer than step_timeout_s is
+    # cancelled; a task whose workflow raised or timed out is tried again `retries` times, after a backoff that
+    # doubles from backoff_s to backoff_max_s; after max_failures failures in all the run stops with the error.
+    step_timeout_s: float = Field(default=600.0, gt=0)
+    retries: int = Field(default=1, ge=0)
+    backoff_s: float = Field(default=1.0, ge=0)
+    backoff_max_s: float = Field(default=30.0, ge=0)
+    max_failures: int = Field(default=20, ge=1)
 
     @model_validator(mode="after")
     def _shape(self) -> WorkflowConfig:

@@ -40,6 +40,9 @@ T = TypeVar("T")
 RECORD_BACKOFF_S = (0.1, 2.0)  # first and largest wait between attempts to write a record
 START_WAIT_S = 60.0  # how long a starting service waits for the broker and its JetStream
 EX_TEMPFAIL = 75  # the exit code of a start the broker failed (sysexits' temporary failure)
+# The run cannot go on and a restart would not help (the user's workflow keeps failing): sysexits' EX_CONFIG.
+# `chorus up` stops the run on it; systemd units do not restart on it (RestartPreventExitStatus).
+EX_RUN_FAILED = 78
 
 
 class Service:

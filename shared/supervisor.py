@@ -34,6 +34,7 @@ from shared.config import ChorusConfig, ConfigError, load_config
 from shared.natsserver import NatsServer
 from shared.plotting import eval_table_rows, load_evals, plot_run, summarize
 from shared.progress import ProgressView, RunTracker
+from shared.service import EX_RUN_FAILED
 from shared.subjects import Names
 
 STOP_GRACE_S = 20.0
@@ -411,6 +412,10 @@ async def _supervise(cfg: ChorusConfig, nc: NATS, kv: KeyValue, sup: Supervisor,
             for c in sup.exited():
                 if c.key in restarts.due:
                     continue  # already waiting for its restart
+                if c.popen.returncode == EX_RUN_FAILED:
+                    console.print(f"[red]service {c.key} stopped the run (exit {EX_RUN_FAILED}: restarting it cannot "
+                                  f"help); last lines of {c.log}:[/]\n{c.tail()}")
+                    return 1
                 if not restarts.exited(c.key, now):
                     console.print(f"[red]service {c.key} exited unexpectedly with code {c.popen.returncode}, "
                                   f"{len(restarts.times[c.key])} times within {cfg.run.restart_window_s:.0f}s "

@@ -16,15 +16,24 @@ from nats.aio.msg import Msg
 
 from services.coordinator.admission import Admission, BatchGate, expected_samples
 from services.coordinator.evaluation import evaluate
-from services.coordinator.tasks import TaskSource, heldout_tasks
-from services.coordinator.workflows import Abandon, Episode, GenResult, Tokenizers, run_episode, workflow_of
+from services.coordinator.failures import FailureLog, error_key, root_cause
+from services.coordinator.tasks import Task, TaskSource, heldout_tasks
+from services.coordinator.workflows import (
+    Abandon,
+    Episode,
+    GenResult,
+    Tokenizers,
+    WorkflowTimeout,
+    run_episode,
+    workflow_of,
+)
 from shared.bus import kv_get_int
 from shared.codec import DecodeError, decode, decode_json, encode
 from shared.config import ChorusConfig
 from shared.logs import append_line
 from shared.peers import NotAccepted, PeerGone, ReplyMux
 from shared.schemas import ActionRequest, ActionResult, Array, DepthReport, GenRequest, GenResponse
-from shared.service import Service
+from shared.service import EX_RUN_FAILED, Service
 
 MAX_ATTEMPTS = 8
 PUBLISH_ACK_TIMEOUT_S = 10.0  # a sample's PubAck; then it is sent again
@@ -93,6 +102,8 @@ class CoordinatorService(Service):
         self.in_flight = 0
         self._publishing: set[asyncio.Task[None]] = set()
         self._announced_done = False
+        wf = cfg.workflow
+        self.failures = FailureLog(wf.max_failures, wf.backoff_s, wf.backoff_max_s)
         for m in self.models:
             await self.nc.subscribe(self.names.depth(m), cb=self._on_depth)
             # New weights served: read the version at once (the poll is the fallback), so an on-policy
@@ -114,6 +125,9 @@ class CoordinatorService(Service):
         self._loops = [self.spawn(self._task_loop(), f"loop{k}") for k in range(self.cfg.workflow.concurrency)]
 
     async def teardown(self) -> None:
+        if getattr(self, "failures", None) is not None and self.failures.total:
+            self.log.warning("workflow failures of this coordinator", total=self.failures.total,
+                             errors=self.failures.summary())
         # Loops see `stopping` and finish the episode they are in; what is not done in time is abandoned.
         loops = [t for t in self._loops if not t.done()]
         if loops:
@@ -140,6 +154,7 @@ class CoordinatorService(Service):
             "backpressured": self.admission.blocked_by(now),
             "admitting": not self.admission.budget_spent and not self.stopping,
             "batches_opened": self.gate.batches if self.gate else None,
+            "workflow_failures": self.failures.summary(),
         }
 
     # --- versions and backpressure ------------------------------------------------------
@@ -242,28 +257,61 @@ class CoordinatorService(Service):
 
     # --- task loops ---------------------------------------------------------------------
     async def _task_loop(self) -> None:
+        consecutive = 0  # workflow failures in a row in this loop: the backoff grows with them
+        retry: tuple[int, Task, int] | None = None  # a failed task to play again, with its attempt number
         while await self._wait_admitted():
-            env_idx, task = self.tasks.next()
+            if retry is None:
+                (env_idx, task), attempt = self.tasks.next(), 0
+            else:
+                (env_idx, task, attempt), retry = retry, None
+                self.counters["tasks_retried"] += 1
             self.counters["tasks_started"] += 1
             self.in_flight += 1
             ep: Episode | None = None
             try:
                 ep = await run_episode(self.cfg, task, env_idx, self.workflow, self._generate, self._act,
                                        lambda: dict(self.served), self.tokenizers)
-            except (Abandon, ValueError) as exc:
+            except Abandon as exc:  # the services did not answer: not the workflow's fault
                 self.counters["tasks_abandoned"] += 1
                 self.log.warning("task abandoned", task=task.task_id, error=str(exc))
+                continue
+            except Exception as exc:  # the workflow raised, timed out or returned no trajectory
+                consecutive += 1
+                await self._workflow_failed(exc, task.task_id)
+                if attempt < self.cfg.workflow.retries:
+                    retry = (env_idx, task, attempt + 1)
+                else:
+                    self.counters["tasks_failed"] += 1
+                await self.wait_stopped(self.failures.backoff(consecutive))
                 continue
             finally:
                 self.in_flight -= 1
                 if self.gate is not None:
                     self.gate.finished(None if ep is None else per_model(ep))
+            consecutive = 0
             # Once started, a task's samples are published whole even if a drain cancels this loop.
             pub = asyncio.create_task(self._publish(ep))
             self._publishing.add(pub)
             pub.add_done_callback(self._publishing.discard)
             await asyncio.shield(pub)
             self._record(ep)
+
+    async def _workflow_failed(self, exc: Exception, task_id: str) -> None:
+        """Count a failure of the workflow; log each distinct error once; stop the run past max_failures."""
+        self.counters["workflow_timeouts" if isinstance(exc, WorkflowTimeout) else "workflow_errors"] += 1
+        if self.failures.note(exc):
+            cause = root_cause(exc)
+            self.log.error("workflow failed; this error is logged once and counted from now on (metrics "
+                           "workflow_failures)", task=task_id, key=error_key(exc), error=f"{type(exc).__name__}: {exc}",
+                           exc_info=cause if cause.__traceback__ is not None else None)
+            await self.event("workflow_error", key=error_key(exc), error=f"{type(exc).__name__}: {exc}"[:1000])
+        if self.failures.exhausted and not self.stopping:
+            wf = self.cfg.workflow
+            error = (f"the workflow failed {self.failures.total} times (workflow.max_failures {wf.max_failures}); "
+                     f"most often: {self.failures.worst()}")
+            self.log.error("stopping the run: " + error, errors=self.failures.summary())
+            await self.event("run_failed", error=error, errors=self.failures.summary())
+            self.stop(EX_RUN_FAILED)
 
     def _record(self, ep: Episode) -> None:
         self.counters["tasks_done"] += 1

@@ -335,3 +335,48 @@ async def test_a_debate_through_real_rollouters_publishes_whole_groups_of_every_
         f"{task_id}:{a}:{t}": list(range(DEBATE_G)) for t, a in DEBATE_TURNS.items()}
     assert coord.counters["tasks_done"] >= 1 and coord.counters["groups_incomplete_dropped"] == 0
     assert set(coord.metrics_snapshot()["reward_ema"]) == {"a", "b", "c"}
+
+
+# --- user workflows that fail -----------------------------------------------------------------------------------
+HANGING = '''
+import asyncio
+STARTED, CANCELLED = [], []
+
+async def hangs(ctx, task):
+    STARTED.append(task.task_id)
+    try:
+        await asyncio.Event().wait()  # never set: the workflow never returns
+    except asyncio.CancelledError:
+        CANCELLED.append(task.task_id)
+        raise
+'''
+
+
+async def test_a_workflow_that_never_returns_is_cancelled_at_its_timeout_and_counted(nats_url, run_id, tmp_path):
+    (tmp_path / "hang.py").write_text(HANGING)
+    cfg = write_config(tmp_path, run_id)
+    cfg.workflow = cfg.workflow.model_copy(update={
+        "name": "custom", "function": f"{tmp_path / 'hang.py'}:hangs", "agents": ["solver"], "concurrency": 1,
+        "step_timeout_s": 0.5, "retries": 1, "backoff_s": 0.05, "max_failures": 1000})
+    coord = CoordinatorService(cfg, nats_url=nats_url)
+    task = await start(coord)
+    glob = coord.workflow.__globals__
+    try:
+        deadline = time.monotonic() + 20
+        while coord.counters["workflow_timeouts"] < 4 and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        timeouts = coord.counters["workflow_timeouts"]
+        assert timeouts >= 4, dict(coord.counters)
+        # Every rollout of every call was cancelled, none left running; a timed-out task was tried once more.
+        assert len(glob["CANCELLED"]) >= G * (timeouts - 1), (len(glob["CANCELLED"]), timeouts)
+        assert coord.counters["tasks_retried"] >= 1 and coord.counters["tasks_failed"] >= 1
+        assert coord.counters["workflow_errors"] == 0  # a timeout is counted as such
+        snapshot = coord.metrics_snapshot()["workflow_failures"]
+        (entry,) = snapshot.values()
+        assert entry["count"] >= timeouts  # one distinct error, counted each time
+        assert "WorkflowTimeout" in entry["first"] and "step_timeout_s 0.5s" in entry["first"]
+    finally:
+        coord.stop()
+        assert await asyncio.wait_for(task, 40) == 0
+    started = len(glob["STARTED"])
+    assert started == len(glob["CANCELLED"]), (started, len(glob["CANCELLED"]))  # none outlives the service

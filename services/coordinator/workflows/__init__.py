@@ -19,6 +19,7 @@ from services.coordinator.workflows.api import (
     Turn,
     Workflow,
     WorkflowError,
+    WorkflowTimeout,
 )
 from services.coordinator.workflows.builtin import chain, debate, mixture, solver_coder_refiner
 from services.coordinator.workflows.episode import Episode, run_episode
@@ -51,6 +52,7 @@ def workflow_of(cfg: ChorusConfig, base_dirs: list[Path] | None = None) -> Workf
 
 __all__ = [
     "BUILTIN", "Abandon", "Act", "Context", "Episode", "GenResult", "Generate", "Tokenizers", "Trajectory", "Turn",
-    "Workflow", "WorkflowError", "chain", "debate", "load_workflow_function", "mixture", "printable", "run_episode",
-    "solve_verify", "solve_verify_workflow", "solver_coder_refiner", "verifier_prompt", "workflow_of",
+    "Workflow", "WorkflowError", "WorkflowTimeout", "chain", "debate", "load_workflow_function", "mixture",
+    "printable", "run_episode", "solve_verify", "solve_verify_workflow", "solver_coder_refiner", "verifier_prompt",
+    "workflow_of",
 ]

@@ -35,6 +35,10 @@ class WorkflowError(ValueError):
     """A workflow failed or returned something that is not a trajectory; the task is dropped and counted."""
 
 
+class WorkflowTimeout(WorkflowError):
+    """One call of a workflow ran past ``workflow.step_timeout_s`` and was cancelled."""
+
+
 @dataclass
 class GenResult:
     """One generated row: response ids (EOS included when it stopped), behaviour log-probs, the version."""

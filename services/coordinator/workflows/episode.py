@@ -31,6 +31,7 @@ from services.coordinator.workflows.api import (
     Turn,
     Workflow,
     WorkflowError,
+    WorkflowTimeout,
 )
 from services.coordinator.workflows.scoring import check
 from shared.advantages import group_advantages
@@ -80,9 +81,18 @@ async def run_episode(
     ctxs = [Context(runtime, i) for i in range(1 if tree else G)]
     t0 = time.monotonic()
 
+    timeout_s = cfg.workflow.step_timeout_s
+
     async def rollout(ctx: Context) -> Any:
         try:
-            return await workflow(ctx, task)
+            async with asyncio.timeout(timeout_s) as limit:
+                return await workflow(ctx, task)
+        except TimeoutError:
+            if not limit.expired():  # the workflow's own TimeoutError
+                raise
+            raise WorkflowTimeout(f"workflow {name_of(workflow)} did not return within workflow.step_timeout_s "
+                                  f"{timeout_s:g}s (rollout {ctx.rollout} of task {task.task_id}); it was "
+                                  "cancelled") from None
         finally:
             runtime.batcher.finish(ctx.rollout)
 

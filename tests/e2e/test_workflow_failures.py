@@ -1,0 +1,54 @@
+"""A user's workflow that keeps raising stops a `chorus up` run with its error, logged once, not restarted."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from tests.e2e.conftest import small_run_config
+
+CHORUS = str(Path(sys.executable).parent / "chorus")
+MAX_FAILURES = 6
+
+RAISING = '''
+async def broken(ctx, task):
+    outs = await ctx.generate("solver", [task.question])
+    lookup = {}
+    return lookup["answer for " + task.task_id]  # a different message every task: still one error
+'''
+
+
+async def test_a_workflow_that_raises_stops_the_run_with_its_error_after_max_failures(nats_url, run_id, tmp_path):
+    (tmp_path / "broken.py").write_text(RAISING)
+    path = small_run_config(tmp_path, run_id, max_versions=50)
+    cfg = yaml.safe_load(path.read_text())
+    cfg["workflow"] = {**cfg["workflow"], "name": "custom", "function": f"{tmp_path / 'broken.py'}:broken",
+                       "agents": ["solver"], "max_failures": MAX_FAILURES, "retries": 1, "backoff_s": 0.05,
+                       "backoff_max_s": 0.2}
+    for key in ("rounds", "echo_chars"):
+        cfg["workflow"].pop(key, None)
+    path.write_text(yaml.safe_dump(cfg))
+    env = {**os.environ, "CHORUS_NATS__URL": nats_url}
+    proc = await asyncio.create_subprocess_exec(CHORUS, "up", str(path), "--timeout-s", "240", env=env,
+                                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    out, _ = await proc.communicate()
+    text = out.decode(errors="replace")
+    assert proc.returncode == 1, text[-4000:]
+    assert "coordinator-0 stopped the run (exit 78" in text, text[-4000:]
+    assert "restarting it in" not in text  # a failing workflow is not a crash to restart
+    run_dir = sorted((tmp_path / "runs").glob(f"{run_id}-*"))[-1]
+    log = (run_dir / "logs" / "coordinator-0.log").read_text()
+    lines = [json.loads(line) for line in log.splitlines() if line.startswith("{")]
+    failed = [e for e in lines if e.get("event", "").startswith("workflow failed")]
+    stopping = [e for e in lines if e.get("event", "").startswith("stopping the run")]
+    assert len(failed) == 1, failed  # one distinct error, however many tasks hit it
+    assert "KeyError" in failed[0]["error"] and failed[0]["key"].startswith("KeyError at ")
+    assert len(stopping) == 1 and f"failed {MAX_FAILURES} times" in stopping[0]["event"], stopping
+    assert "KeyError" in stopping[0]["event"]
+    assert len(log) < 64 * 1024, f"coordinator log grew to {len(log)} bytes"
