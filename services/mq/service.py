@@ -30,6 +30,7 @@ from shared.bus import fetch, kv_get_int, pull_consumer, stream_seq
 from shared.codec import DecodeError, encode, encode_json
 from shared.schemas import DepthReport, DropEvent, MicroBatch, Sample
 from shared.service import Service
+from shared.validation import sample_problem
 
 FETCH_BATCH = 256
 FETCH_TIMEOUT_S = 0.25
@@ -171,6 +172,9 @@ class MqService(Service):
         for msg in msgs:
             try:
                 sample = self.decode_own(Sample, msg.data)
+                why = sample_problem(sample, self.cfg)
+                if why is not None:
+                    raise DecodeError(why)
             except DecodeError as exc:
                 await self.to_dlq(msg.subject, msg.data, exc.reason)
                 await self._settle([msg], "term")

@@ -7,6 +7,7 @@ so all adapters of the base move in the same optimizer step.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from services.trainer.grpo import ppo_clip_loss
 from shared.config import ChorusConfig
 from shared.models import load_model, load_tokenizer, shipped_tensors
 from shared.schemas import Sample
+from shared.validation import arrays_problem, numbers_problem
 
 _CKPT = re.compile(r"^v(\d+)\.pt$")
 
@@ -42,6 +44,7 @@ class StepResult:
     loss: float
     grad_norm: float
     stats: dict[str, float] = field(default_factory=dict)
+    skipped: bool = False  # the gradient norm was not finite: no update, the version stays
 
 
 def collate(samples: Sequence[Sample], pad_id: int) -> Collated:
@@ -76,27 +79,8 @@ def validate_sample(s: Sample, vocab_size: int, adapters: Sequence[str] | None) 
     if adapters is not None and s.adapter not in adapters:
         return (f"sample {s.sample_id}: adapter {s.adapter!r} is not one of the model's adapters {sorted(adapters)} "
                 "(the base of a LoRA model is frozen; check agents.<agent>.adapter)")
-    for name, arr in (("prompt_ids", s.prompt_ids), ("response_ids", s.response_ids),
-                      ("behavior_logprobs", s.behavior_logprobs)):
-        if len(arr.shape) != 1:
-            return f"sample {s.sample_id}: {name} must be 1-d, has shape {arr.shape}"
-    if s.prompt_ids.shape[0] == 0:
-        return f"sample {s.sample_id}: empty prompt_ids (expected at least BOS)"
-    if s.response_ids.shape[0] != s.behavior_logprobs.shape[0]:
-        return (f"sample {s.sample_id}: {s.response_ids.shape[0]} response ids but "
-                f"{s.behavior_logprobs.shape[0]} behaviour log-probs")
-    for name, arr in (("prompt_ids", s.prompt_ids), ("response_ids", s.response_ids)):
-        if arr.dtype not in ("int32", "int64"):
-            return f"sample {s.sample_id}: {name} dtype {arr.dtype}, expected int32 or int64"
-        ids = arr.numpy()
-        if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
-            return f"sample {s.sample_id}: {name} has ids outside [0, {vocab_size})"
-    if s.behavior_logprobs.dtype not in ("float32", "float16"):
-        return f"sample {s.sample_id}: behavior_logprobs dtype {s.behavior_logprobs.dtype}, expected float32"
-    lp = s.behavior_logprobs.numpy()
-    if lp.size and not (torch.isfinite(torch.from_numpy(lp.astype("float32"))).all() and (lp <= 1e-4).all()):
-        return f"sample {s.sample_id}: behavior_logprobs must be finite and <= 0"
-    return None
+    why = numbers_problem(s) or arrays_problem(s, vocab_size)
+    return None if why is None else f"sample {s.sample_id}: {why}"
 
 
 class Learner:
@@ -192,11 +176,14 @@ class Learner:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.grad_clip))
         else:
             grad_norm = float(torch.norm(torch.stack([p.grad.norm() for p in params]))) if params else 0.0
-        self.optimizer.step()
+        # A NaN or inf anywhere in the gradients would reach every weight through AdamW: skip the update.
+        skipped = not math.isfinite(grad_norm)
+        if not skipped:
+            self.optimizer.step()
+            self.version += 1
         self.optimizer.zero_grad(set_to_none=True)
-        self.version += 1
         result = StepResult(self.version, n, self._loss_sum * scale, grad_norm,
-                            {k: v / n for k, v in self._stats_sum.items()})
+                            {k: v / n for k, v in self._stats_sum.items()}, skipped)
         self.accumulated = 0
         self._loss_sum = 0.0
         self._stats_sum = {}

@@ -31,13 +31,14 @@ from nats.js.errors import NotFoundError
 from services.trainer.commits import CommitPointError, Commits, Fenced
 from services.trainer.grpo import micro_batch_advantages
 from services.trainer.intake import SeenIds, StepBook, filter_samples
-from services.trainer.learner import Learner
+from services.trainer.learner import Learner, StepResult
 from services.trainer.state import Committed, RecentSteps, pack_state, steps_remembered, unpack_state
 from shared.bus import fetch, kv_put_int_max, pull_consumer, stream_seq
 from shared.codec import DecodeError, decode, encode
 from shared.logs import append_line
 from shared.schemas import DropEvent, MicroBatch, Sample, StepRecord, WeightsAnnounce
 from shared.service import Service
+from shared.validation import sample_problem
 from shared.weights import Buffer, WeightsHeader, flatten, load_into, unpack
 from shared.weightsync import NatsSource, UcxSource, WeightSource, resolve_transport
 
@@ -250,8 +251,10 @@ class TrainerService(Service):
 
     async def _drop(self, samples: Sequence[Sample], reason: str, detail: str) -> bool:
         """Record a drop (before the caller acks); False if the service stopped before it was recorded."""
+        return await self._drop_ids([s.sample_id for s in samples], reason, detail)
+
+    async def _drop_ids(self, ids: list[str], reason: str, detail: str) -> bool:
         assert self.model is not None
-        ids = [s.sample_id for s in samples]
         if reason == FINISHED:
             self.counters["dropped_finished"] += len(ids)
         drop = DropEvent(model=self.model, sample_ids=ids, reason=detail, count=len(ids))
@@ -264,7 +267,10 @@ class TrainerService(Service):
         bad: list[tuple[Sample, str]] = []
         for s in mb.samples:
             why = (f"sample {s.sample_id} is for model {s.model!r}, this trainer trains {self.model!r}"
-                   if s.model != self.model else self.learner.validate(s))
+                   if s.model != self.model else sample_problem(s, self.cfg) or self.learner.validate(s))
+            if why is None and s.version > self.learner.version:
+                why = (f"sample {s.sample_id} claims weight version {s.version}, newer than this trainer's "
+                       f"{self.learner.version}: no rollouter could have served it")
             if why is None:
                 keep.append(s)
             else:
@@ -296,6 +302,9 @@ class TrainerService(Service):
         if result is None:
             return
         assert self.model is not None
+        if result.skipped:
+            await self._skip_step(result)
+            return
         step_s = self.book.compute_s + (time.perf_counter() - t0)
         record = StepRecord(model=self.model, version=result.version, dropped_stale=self.counters["dropped_stale"],
                             step_seconds=round(step_s, 6), loss=result.loss, **self.book.summary())  # type: ignore[arg-type]
@@ -331,6 +340,22 @@ class TrainerService(Service):
             self.log.info("checkpoint", path=str(path))
         if result.version >= self.train.max_versions:
             await self._finish()
+
+    async def _skip_step(self, result: StepResult) -> None:
+        """The step's gradient norm was not finite and the learner kept its weights: its samples are recorded as
+        dropped, then acknowledged."""
+        self.counters["steps_skipped_nonfinite"] += 1
+        ids = list(self.book.sample_ids)
+        self.log.warning("step skipped: the gradient norm is not finite; the weights stay", version=result.version,
+                         grad_norm=str(result.grad_norm), samples=len(ids), loss=str(result.loss))
+        self.book = StepBook()
+        why = f"non-finite gradient norm ({result.grad_norm}) at version {result.version}: step skipped"
+        if not await self._drop_ids(ids, "nonfinite_grad", why):
+            return  # stopping before the drop was recorded: the micro-batches come back
+        await asyncio.gather(*(self._safe(m.ack) for m in self.held))
+        self.held = []
+        await self.event("step_skipped", model=self.model, version=result.version, samples=len(ids),
+                         grad_norm=str(result.grad_norm))
 
     async def _set_trained(self, version: int) -> None:
         """KV ``trained.<model>`` (what mq and the coordinator read; the commit point itself already moved)."""

@@ -45,7 +45,7 @@ def sample(run_id: str, key: str, i: int, version: int = 0, agent: str = "solver
     return Sample(
         run=run_id, episode=key, sample_id=Sample.make_id(key, 0, i), env_idx=0, rollout_idx=i, agent=agent,
         model=MODEL, turn=0, prompt_ids=Array.of([257, 49, 43, 49]), response_ids=Array.of([50, 258]),
-        behavior_logprobs=Array.of([-0.3, -0.1], "float32"), reward=float(i), group_key=f"{key}/{agent}/0",
+        behavior_logprobs=Array.of([-0.3, -0.1], "float32"), reward=float(i), group_key=f"{key}:{agent}:0",
         group_size=GROUP, version=version,
     )
 

@@ -57,7 +57,7 @@ def group(run_id: str, key: str, version: int, agent: str = "solver", adapter: s
             run=run_id, episode=key, sample_id=f"{key}_0_{i}", env_idx=0, rollout_idx=i, agent=agent, model=MODEL,
             adapter=adapter, turn=0, prompt_ids=Array.of([BOS_ID, 50, 43, 50, 61], "int32"), response_ids=Array.of(resp, "int32"),
             behavior_logprobs=Array.of((-rng.random(4) * 5 - 0.1).tolist(), "float32"), reward=float(i % 2 + i / 10),
-            group_key=f"{key}/{agent}/0", group_size=4, version=version,
+            group_key=f"{key}:{agent}:0", group_size=4, version=version,
         ))
     return out
 
@@ -265,7 +265,7 @@ async def test_a_lora_trainer_trains_both_adapters_in_one_step_and_ships_only_ad
         await wait_until(lambda: watch.kinds("step"), what="the step event")
         await wait_until(lambda: watch.dlq, what="the stray sample in the DLQ")
         reason = watch.dlq[0].headers["Chorus-Reason"]
-        assert "z_0_0" in reason and "'nope' is not one of the model's adapters ['sol', 'ver']" in reason
+        assert "z_0_0" in reason and "agent 'verifier' uses adapter 'ver', the sample says 'nope'" in reason
         assert svc.counters["dropped_invalid"] == 1
 
         step = watch.kinds("step")[0]

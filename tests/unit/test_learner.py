@@ -312,3 +312,32 @@ def test_step_book_summarises_rewards_staleness_and_agents():
     assert s["staleness_max"] == 1 and s["staleness_mean"] == pytest.approx(1 / 3)
     assert s["agent_reward"] == {"solver": 1.0, "verifier": 0.0}
     assert s["sample_ids"] == ["in0_0_0", "in0_0_1", "in1_0_0"]
+
+
+def test_a_step_whose_gradient_norm_is_not_finite_is_skipped_and_keeps_the_weights(tmp_path):
+    learner = Learner(make_cfg(tmp_path, global_batch=4), "m")
+    before = params(learner)
+    samples = [make_sample(i) for i in range(4)]
+    # Finite advantages that overflow float32 in the loss: the gradient norm is inf or nan.
+    learner.accumulate(samples, [3e38, -3e38, 3e38, -3e38])
+    result = learner.step()
+    assert result is not None and result.skipped and not np.isfinite(result.grad_norm)
+    assert learner.version == 0 and learner.accumulated == 0
+    after = params(learner)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert all(p.grad is None for p in learner.trainable)
+    # The next (sane) step trains as usual.
+    learner.accumulate(samples, [1.0, -1.0, 0.5, -0.5])
+    result = learner.step()
+    assert result is not None and not result.skipped and learner.version == 1
+    assert all(torch.isfinite(t).all() for t in learner.named_tensors().values())
+
+
+@pytest.mark.parametrize(("field", "value", "why"), [
+    ("reward", float("nan"), "reward nan is not a finite number"),
+    ("reward", float("inf"), "reward inf is not a finite number"),
+    ("advantage", float("-inf"), "advantage -inf is not a finite number"),
+])
+def test_non_finite_rewards_and_advantages_are_not_trainable(field, value, why):
+    s = make_sample(0).model_copy(update={field: value})
+    assert why in (validate_sample(s, VOCAB_SIZE, None) or "")
