@@ -29,12 +29,29 @@ def encode(msg: BaseModel) -> bytes:
 
 def decode(cls: type[M], data: bytes) -> M:
     """Parse msgpack bytes into ``cls``; raise :class:`DecodeError` with a readable reason."""
+    _check_size(cls, data)
     try:
         raw = msgpack.unpackb(data, raw=False, strict_map_key=False)
     except Exception as exc:  # msgpack raises several unrelated types
         raise DecodeError(f"not msgpack: {type(exc).__name__}: {exc}") from exc
+    return _validate(cls, raw)
+
+
+def decode_json_as(cls: type[M], data: bytes) -> M:
+    """Parse a JSON message (a report meant to be readable with ``nats sub``) into ``cls``, as :func:`decode`."""
+    _check_size(cls, data)
+    return _validate(cls, decode_json(data))
+
+
+def _check_size(cls: type[BaseModel], data: bytes) -> None:
+    limit = getattr(cls, "MAX_BYTES", None)
+    if limit is not None and len(data) > limit:
+        raise DecodeError(f"{cls.__name__}: {len(data)} bytes, larger than the {limit} one can be")
+
+
+def _validate(cls: type[M], raw: Any) -> M:
     if not isinstance(raw, dict):
-        raise DecodeError(f"expected a msgpack map for {cls.__name__}, got {type(raw).__name__}")
+        raise DecodeError(f"expected a map for {cls.__name__}, got {type(raw).__name__}")
     expected = getattr(cls, "SCHEMA", None)
     got = raw.get("schema")
     if expected is not None and got != expected:

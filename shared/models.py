@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import importlib.util
+import json
 import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -159,6 +160,26 @@ def model_dir(cfg: ChorusConfig, name: str) -> Path | None:
     if not (m.path / "config.json").is_file():
         raise FileNotFoundError(f"models.{name}.path: {m.path} is not a Hugging Face model directory (no config.json)")
     return m.path
+
+
+def model_limits(cfg: ChorusConfig, name: str) -> tuple[int | None, int | None]:
+    """(vocabulary size, context length) of model ``name`` from its config alone, without loading or converting
+    anything: (None, None) where that is not at hand yet (a SmolLM2 not converted so far)."""
+    m = cfg.models[name]
+    if m.source == "tiny":
+        return ByteTokenizer.vocab_size, m.arch.max_position
+    path = smollm2_dir_if_ready(cfg.cache_dir) if m.source == "smollm2" else m.path
+    config = None if path is None else path / "config.json"
+    if config is None or not config.is_file():
+        return None, None
+    raw = json.loads(config.read_text())
+    vocab, context = raw.get("vocab_size"), raw.get("max_position_embeddings")
+    return (int(vocab) if isinstance(vocab, int) else None, int(context) if isinstance(context, int) else None)
+
+
+def smollm2_dir_if_ready(cache_dir: Path) -> Path | None:
+    target = cache_dir / SMOLLM2_CACHE
+    return target if (target / ".complete").exists() else None
 
 
 # --- loading ----------------------------------------------------------------------------------------------

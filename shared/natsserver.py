@@ -55,13 +55,14 @@ class NatsServer:
 
     def __init__(self, store_dir: str | os.PathLike[str], *, port: int | None = None, max_payload_mb: int = 8,
                  log_file: str | os.PathLike[str] | None = None, server_name: str | None = None,
-                 routes: Routes | None = None) -> None:
+                 routes: Routes | None = None, monitor_port: int | None = None) -> None:
         self.store_dir = Path(store_dir)
         self.port = port or free_port()
         self.max_payload_mb = max_payload_mb
         self.log_file = Path(log_file) if log_file else self.store_dir / "nats-server.log"
         self.server_name = server_name
         self.routes = routes
+        self.monitor_port = monitor_port  # the HTTP monitoring endpoint (/connz, /jsz), when set
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -74,6 +75,8 @@ class NatsServer:
                 f"jetstream {{\n  store_dir: \"{self.store_dir / 'jetstream'}\"\n}}\n")
         if self.server_name:
             text += f"server_name: {self.server_name}\n"
+        if self.monitor_port:
+            text += f"http: 127.0.0.1:{self.monitor_port}\n"
         if self.routes is not None:
             routes = ", ".join(f"nats-route://127.0.0.1:{p}" for p in self.routes.ports if p != self.routes.port)
             text += (f"cluster {{\n  name: {self.routes.name}\n  listen: 127.0.0.1:{self.routes.port}\n"

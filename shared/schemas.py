@@ -11,10 +11,13 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class Message(BaseModel):
-    """Base of every bus message: strict keys, a schema version serialised as ``schema``."""
+    """Base of every bus message: strict keys, a schema version serialised as ``schema``, finite numbers only, and
+    at most ``MAX_BYTES`` encoded (None: bounded by the broker's max_payload only)."""
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True, arbitrary_types_allowed=False)
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, arbitrary_types_allowed=False,
+                              allow_inf_nan=False)
     SCHEMA: ClassVar[int] = 1
+    MAX_BYTES: ClassVar[int | None] = 64 * 1024  # control-plane messages are small
     schema_: int = Field(default=1, alias="schema")
 
 
@@ -63,13 +66,15 @@ class Array(BaseModel):
 class GenRequest(Message):
     """Generate continuations for a batch of prompts (token ids) with one sampling setting."""
 
+    MAX_BYTES: ClassVar[int | None] = None
+
     request_id: str
-    prompts: list[Array]
+    prompts: list[Array] = Field(max_length=4096)
     max_new_tokens: int = Field(gt=0, le=4096)
     temperature: float = Field(default=1.0, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     adapter: str | None = None  # a LoRA adapter of the model; None: the base model with adapters disabled
-    stop_ids: list[int] = Field(default_factory=list)
+    stop_ids: list[int] = Field(default_factory=list, max_length=256)
     stop: list[str] = Field(default_factory=list, max_length=16)  # a row ends once its text contains one
     # Unix time after which the requester no longer waits: a rollouter answers a request that arrives later
     # (the backlog of an instance that was frozen) with an error instead of generating for nobody.
@@ -90,6 +95,8 @@ class GenOutput(Message):
 
 
 class GenResponse(Message):
+    MAX_BYTES: ClassVar[int | None] = None
+
     request_id: str
     outputs: list[GenOutput] = Field(default_factory=list)
     version: int = 0  # weight version that produced every output (never a mix)
@@ -126,7 +133,11 @@ class RolloutControlReply(Message):
 
 
 class Sample(Message):
-    """One agent turn of one rollout: what the trainer of ``model`` learns from."""
+    """One agent turn of one rollout: what the trainer of ``model`` learns from. Non-finite numbers decode, so that
+    a micro-batch holding one is rejected sample by sample (:mod:`shared.validation`), not whole."""
+
+    model_config = ConfigDict(allow_inf_nan=True)
+    MAX_BYTES: ClassVar[int | None] = None
 
     run: str
     episode: str
@@ -156,6 +167,8 @@ class Sample(Message):
 
 class MicroBatch(Message):
     """Complete GRPO groups assembled by mq for one model's trainer."""
+
+    MAX_BYTES: ClassVar[int | None] = None
 
     batch_id: str
     model: str
@@ -204,6 +217,8 @@ class WeightsPull(Message):
 class WeightsReply(Message):
     """The trainer's answer to WeightsMetaRequest (``header``: a packed WeightsHeader) or WeightsPull."""
 
+    MAX_BYTES: ClassVar[int | None] = None
+
     ok: bool
     header: bytes | None = None
     held: list[int] = Field(default_factory=list)  # versions the trainer can serve
@@ -226,14 +241,18 @@ class SyncDone(Message):
 class ActionRequest(Message):
     """A batch of CPU actions; ``kind`` names a registered action, ``payloads`` its inputs."""
 
+    MAX_BYTES: ClassVar[int | None] = None
+
     action_id: str
     kind: str
-    payloads: list[dict[str, Any]]
+    payloads: list[dict[str, Any]] = Field(max_length=4096)
     cores: int = Field(default=1, ge=1)
     timeout_s: float = Field(default=10.0, gt=0.0)
 
 
 class ActionResult(Message):
+    MAX_BYTES: ClassVar[int | None] = None
+
     action_id: str
     results: list[dict[str, Any]] = Field(default_factory=list)
     errors: list[str | None] = Field(default_factory=list)  # one per payload; None when it ran

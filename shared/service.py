@@ -156,7 +156,10 @@ class Service:
         """Start, run until a signal or :meth:`stop`, drain, return the exit code."""
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.stop)
+            try:
+                loop.add_signal_handler(sig, self.stop)
+            except (RuntimeError, ValueError):  # served from a thread that is not the main one: stop() ends it
+                break
         try:
             await self.start()
         except (nats.errors.Error, TimeoutError, OSError) as exc:

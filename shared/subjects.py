@@ -13,6 +13,22 @@ _OBJECT = re.compile(r"^(weights|state)/(?P<model>[A-Za-z0-9_-]+)/v(?P<version>\
 
 SERVICES = ("coordinator", "rollouter", "mq", "trainer", "paramsync", "actions")
 
+# The subjects each service subscribes to (core NATS or a JetStream consumer's filter), by the Names method that
+# builds them. Each one is fuzzed by the tests (tests/integration/test_fuzz.py), which also check on a live run
+# that no service subscribes to anything else. ``status`` ignores its payload: any request gets the metrics.
+LISTENS: dict[str, tuple[str, ...]] = {
+    "coordinator": ("depth", "sync_done", "status"),
+    "rollouter": ("gen", "gen_direct", "rollout_control", "status"),
+    "mq": ("traj", "status"),
+    "trainer": ("ready", "weights_meta", "weights_pull", "status"),
+    "paramsync": ("sync_announce", "status"),
+    "actions": ("actions_submit", "status"),
+}
+# Subjects no service subscribes to: what services publish for people and tools to watch, and the general
+# builders the subjects above are made with.
+WATCHED_ONLY = ("metrics", "metrics_all", "events", "events_all", "dlq", "srv_ping")
+BUILDERS = ("control", "sync")
+
 
 def check_token(value: str, what: str) -> str:
     """Return ``value`` if it is a single NATS subject token made of [A-Za-z0-9_-], else raise."""

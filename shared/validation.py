@@ -18,14 +18,16 @@ from shared.config import ChorusConfig
 from shared.schemas import Array, Sample
 
 LOGPROB_SLACK = 1e-4  # a behaviour log-prob is <= 0; float rounding may put a certain token a hair above
+MAX_RESPONSE = 4096  # tokens: GenRequest.max_new_tokens is at most this
 
 
 def finite(value: float) -> bool:
     return isinstance(value, int | float) and math.isfinite(value)
 
 
-def arrays_problem(s: Sample, vocab_size: int | None = None) -> str | None:
-    """Shapes, dtypes and values of the token ids and behaviour log-probs, or None when they are trainable."""
+def arrays_problem(s: Sample, vocab_size: int | None = None, context: int | None = None) -> str | None:
+    """Shapes, dtypes and values of the token ids and behaviour log-probs, or None when they are trainable. A
+    rollouter takes prompts up to the model's ``context`` and generates at most ``MAX_RESPONSE`` tokens."""
     arrays: tuple[tuple[str, Array], ...] = (("prompt_ids", s.prompt_ids), ("response_ids", s.response_ids),
                                              ("behavior_logprobs", s.behavior_logprobs))
     for name, arr in arrays:
@@ -33,6 +35,10 @@ def arrays_problem(s: Sample, vocab_size: int | None = None) -> str | None:
             return f"{name} must be 1-d, has shape {arr.shape}"
     if s.prompt_ids.shape[0] == 0:
         return "empty prompt_ids (expected at least BOS)"
+    if context is not None and s.prompt_ids.shape[0] > context:
+        return f"a prompt of {s.prompt_ids.shape[0]} tokens, longer than the model's context of {context}"
+    if s.response_ids.shape[0] > MAX_RESPONSE:
+        return f"a response of {s.response_ids.shape[0]} tokens, more than the {MAX_RESPONSE} a request can ask for"
     if s.response_ids.shape[0] != s.behavior_logprobs.shape[0]:
         return f"{s.response_ids.shape[0]} response ids but {s.behavior_logprobs.shape[0]} behaviour log-probs"
     for name, arr in arrays[:2]:
@@ -89,7 +95,8 @@ def provenance_problem(s: Sample, cfg: ChorusConfig) -> str | None:
     return None
 
 
-def sample_problem(s: Sample, cfg: ChorusConfig, vocab_size: int | None = None) -> str | None:
+def sample_problem(s: Sample, cfg: ChorusConfig, vocab_size: int | None = None,
+                   context: int | None = None) -> str | None:
     """Why ``s`` is not a sample of this run's coordinator that can be trained on, or None when it is."""
-    why = numbers_problem(s) or provenance_problem(s, cfg) or arrays_problem(s, vocab_size)
+    why = numbers_problem(s) or provenance_problem(s, cfg) or arrays_problem(s, vocab_size, context)
     return None if why is None else f"sample {s.sample_id}: {why}"

@@ -26,6 +26,7 @@ import random
 import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict, deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,6 +106,8 @@ class WeightSource(ABC):
         self.cfg, self.names, self.model = cfg, names, model
         self.bucket_bytes = int(cfg.paramsync.bucket_mb * 1024 * 1024)
         self.counters: dict[str, int] = {}
+        # Where a malformed request is sent with its reason (the owning service's DLQ); None: only counted.
+        self.reject: Callable[[str, bytes, str], Awaitable[None]] | None = None
 
     def count(self, key: str, n: int = 1) -> None:
         self.counters[key] = self.counters.get(key, 0) + n
@@ -224,6 +227,8 @@ class UcxSource(WeightSource):
             req = decode(schema, msg.data)
         except DecodeError as exc:
             self.count("bad_weight_requests")
+            if self.reject is not None:
+                await self.reject(msg.subject, msg.data, exc.reason)
             await self._reply(msg, WeightsReply(ok=False, error=f"rejected: {exc.reason}"))
             return None
         held = self.held.get(req.version)

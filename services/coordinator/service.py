@@ -28,11 +28,11 @@ from services.coordinator.workflows import (
     workflow_of,
 )
 from shared.bus import kv_get_int
-from shared.codec import DecodeError, decode, decode_json, encode
+from shared.codec import DecodeError, decode, decode_json_as, encode
 from shared.config import ChorusConfig
 from shared.logs import append_line
 from shared.peers import NotAccepted, PeerGone, ReplyMux
-from shared.schemas import ActionRequest, ActionResult, Array, DepthReport, GenRequest, GenResponse
+from shared.schemas import ActionRequest, ActionResult, Array, DepthReport, GenRequest, GenResponse, SyncDone
 from shared.service import EX_RUN_FAILED, Service
 
 MAX_ATTEMPTS = 8
@@ -178,6 +178,13 @@ class CoordinatorService(Service):
 
     async def _on_sync_done(self, msg: Msg) -> None:
         model = msg.subject.rsplit(".", 2)[-2]
+        try:
+            done = decode(SyncDone, msg.data)
+            if done.model != model:
+                raise DecodeError(f"SyncDone for model {done.model!r} on a subject of model {model!r}")
+        except DecodeError as exc:
+            await self.to_dlq(msg.subject, msg.data, exc.reason)
+            return
         if model not in self.models:
             return
         try:
@@ -189,8 +196,8 @@ class CoordinatorService(Service):
 
     async def _on_depth(self, msg: Msg) -> None:
         try:
-            report = DepthReport.model_validate(decode_json(msg.data))
-        except (DecodeError, ValueError) as exc:
+            report = decode_json_as(DepthReport, msg.data)
+        except DecodeError as exc:
             await self.to_dlq(msg.subject, msg.data, f"malformed DepthReport JSON: {exc}")
             return
         self.admission.on_depth(report.model, report.depth, report.capacity, time.monotonic())

@@ -28,6 +28,7 @@ from nats.js.errors import APIError, NotFoundError
 from services.mq.experience_store import AddKind, Dropped, ExperienceStore, Policy, Take
 from shared.bus import fetch, kv_get_int, pull_consumer, stream_seq
 from shared.codec import DecodeError, encode, encode_json
+from shared.models import model_limits
 from shared.schemas import DepthReport, DropEvent, MicroBatch, Sample
 from shared.service import Service
 from shared.validation import sample_problem
@@ -60,6 +61,9 @@ class MqService(Service):
                                                            policy=Policy.of(self.cfg),
                                                            remember=max(10_000, 50 * self.cfg.mq_capacity))
         self.n_groups = self.cfg.micro_batch_groups()
+        # The model's vocabulary and context, from its config file (token ids and prompt lengths a rollouter
+        # could have produced); unknown until a SmolLM2 is converted, and the trainer checks them again anyway.
+        self.limits = await asyncio.to_thread(model_limits, self.cfg, self.model)
         self.trained_version = await kv_get_int(self.kv, self.names.trained_key(self.model))
         self.ready_msgs = 0
         self.samples_per_batch = float(self.n_groups * self.cfg.workflow.group_size)
@@ -172,7 +176,7 @@ class MqService(Service):
         for msg in msgs:
             try:
                 sample = self.decode_own(Sample, msg.data)
-                why = sample_problem(sample, self.cfg)
+                why = sample_problem(sample, self.cfg, *self.limits)
                 if why is not None:
                     raise DecodeError(why)
             except DecodeError as exc:

@@ -69,7 +69,8 @@ def collate(samples: Sequence[Sample], pad_id: int) -> Collated:
     return Collated(input_ids, attention, input_ids[:, 1:], loss_mask, logp_behav, [s.adapter for s in samples])
 
 
-def validate_sample(s: Sample, vocab_size: int, adapters: Sequence[str] | None) -> str | None:
+def validate_sample(s: Sample, vocab_size: int, adapters: Sequence[str] | None,
+                    context: int | None = None) -> str | None:
     """Why a sample cannot be trained on, or None when it can.
 
     ``adapters``: the LoRA adapters of the model, or None for a full model (whose samples name no adapter).
@@ -79,7 +80,7 @@ def validate_sample(s: Sample, vocab_size: int, adapters: Sequence[str] | None) 
     if adapters is not None and s.adapter not in adapters:
         return (f"sample {s.sample_id}: adapter {s.adapter!r} is not one of the model's adapters {sorted(adapters)} "
                 "(the base of a LoRA model is frozen; check agents.<agent>.adapter)")
-    why = numbers_problem(s) or arrays_problem(s, vocab_size)
+    why = numbers_problem(s) or arrays_problem(s, vocab_size, context)
     return None if why is None else f"sample {s.sample_id}: {why}"
 
 
@@ -110,6 +111,8 @@ class Learner:
         self.net = load_model(cfg, model)
         self.net.train(not self.lora)
         self.vocab_size = int(self.net.get_input_embeddings().num_embeddings)
+        context = getattr(self.net.config, "max_position_embeddings", None)
+        self.context: int | None = int(context) if isinstance(context, int) else None
         self.trainable = [p for p in self.net.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.trainable, lr=optim.lr, betas=tuple(optim.betas),
                                            weight_decay=optim.weight_decay)
@@ -120,7 +123,7 @@ class Learner:
 
     def validate(self, sample: Sample) -> str | None:
         """Why this learner cannot train on ``sample`` (ids outside its vocabulary, an adapter it lacks), or None."""
-        return validate_sample(sample, self.vocab_size, self.adapters)
+        return validate_sample(sample, self.vocab_size, self.adapters, self.context)
 
     def token_logprobs(self, batch: Collated) -> torch.Tensor:
         """log pi_theta of every next token, [B, L-1]; a LoRA model runs each row through its sample's adapter."""

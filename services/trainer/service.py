@@ -71,6 +71,7 @@ class TrainerService(Service):
         durable = NatsSource(self.cfg, self.names, self.model, self.js)
         self.source: WeightSource = durable if resolve_transport(self.cfg) == "nats" else \
             UcxSource(self.cfg, self.names, self.model, self.nc, self.status_subject)
+        self.source.reject = self.to_dlq
         await self.source.start()
         self.log.info("weight transport", transport=self.source.transport, bucket_mb=self.cfg.paramsync.bucket_mb)
         self.epoch = uuid.uuid4().hex[:8]
