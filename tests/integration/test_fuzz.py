@@ -94,6 +94,7 @@ class World:
     tasks: dict[str, asyncio.Task[int]] = field(default_factory=dict)
     dlq: dict[str, Counter[str]] = field(default_factory=dict)  # service -> sha256 of rejected payloads
     reasons: dict[str, list[str]] = field(default_factory=dict)
+    sent_bad = 0  # bad messages sent (each expected in a DLQ); the run's own traffic must never land there
 
     def call(self, coro: Coroutine[Any, Any, Any], timeout: float = 60.0) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
@@ -151,6 +152,8 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
         yield w
         codes = w.call(w.stop(), timeout=180)
         assert all(c == 0 for c in codes.values()), codes
+        rejected = sum(sum(c.values()) for c in w.dlq.values())
+        assert rejected == w.sent_bad, f"{rejected - w.sent_bad} messages of the run itself went to a DLQ"
     finally:
         w.loop.call_soon_threadsafe(w.loop.stop)
         thread.join(10)
@@ -332,6 +335,7 @@ async def send(w: World, case: Case, payloads: list[bytes]) -> None:
             await w.js.publish(subject, data)
         else:
             await w.nc.publish(subject, data, reply=w.nc.new_inbox())
+    w.sent_bad += sum(want.values())
     deadline = time.monotonic() + 20
     while True:
         got = w.dlq[case.service] - before
@@ -433,5 +437,6 @@ def test_status_answers_any_payload_and_the_weights_stay_finite(world: World) ->
     world.call(probe())
     alive(world)
     trainer, rollouter = world.services["trainer"], world.services["rollouter"]
+    assert trainer.learner.version > 0  # type: ignore[attr-defined]  # the run trained while it was fuzzed
     assert all(torch.isfinite(t).all() for t in trainer.learner.named_tensors().values())  # type: ignore[attr-defined]
     assert all(torch.isfinite(t).all() for t in rollouter.engine.named_tensors().values())  # type: ignore[attr-defined]
