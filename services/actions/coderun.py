@@ -1,129 +1,92 @@
-"""Run untrusted code and its assert tests in a forked child of the action worker.
+"""Run untrusted code against assert tests in a sandbox, and compute every verdict where the code cannot reach.
 
-The child gets its own process group, no stdin, a capped output and file size, a CPU-time backstop and the
-worker's address-space limit; it dies with the worker. It reports the code and every test as a JSON line on a
-pipe, so a timeout or a crash still keeps the credit of the tests that finished. Nothing the code does
-(``sys.exit``, ``os._exit``, an infinite loop, a memory bomb, writing to fd 1) reaches the worker's protocol.
+Each top-level ``assert`` of the tests is one test; other top-level statements are setup. An assert is split
+here: its trusted shape (constants, displays, operators, a few pure builtins) stays in this process, and each
+maximal part that needs the code (a name, a call, an attribute...) becomes a *probe*. Only the code, the setup
+statements and the probes' source enter the sandbox, never an expected value. The sandbox reports each probe's
+value as plain builtin data; it is decoded here and put back into the assert, which is evaluated with the
+whitelisted builtins only. Partial credit is tests_passed / tests_total; a timeout or a crash keeps the tests
+that finished.
+
+The sandbox is a set of Linux namespaces with its own root, pids and network and a uid of its own
+(``sandbox_init``, docs/sandbox.md). Where namespaces do not work, :func:`isolation` says why (loudly, once)
+and the code runs in a forked child of the worker: limits, but no isolation.
 """
 
 from __future__ import annotations
 
-import ast
-import builtins
-import ctypes
+import functools
 import json
+import marshal
 import math
 import os
-import resource
-import secrets
 import select
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-STDOUT_LIMIT = 4096  # bytes of the code's output kept in the result
-ERROR_LIMIT = 500  # characters of one error message
-FILE_LIMIT = 16 * 1024 * 1024  # largest file the code may write (in its scratch directory)
-PR_SET_PDEATHSIG = 1
-RESULT_FD = 3
+import structlog
+
+from services.actions.sandbox_init import ERROR_LIMIT, LINE_LIMIT, RESULT_FD, run_steps, unisolated_child
+from services.actions.verdicts import STDOUT_LIMIT, Plan, Report, plan_tests, result
+
+RESULT_LIMIT = 8 << 20  # bytes of reports read from one run
+UID_BASE = 1_600_000_000  # + the host pid of the sandbox's PID 1: a uid no other live sandbox has
+REAP_S = 2.0  # how long PID 1 may take to empty its namespace before unshare's process group is killed
+UNSHARE_FLAGS = ("--pid", "--fork", "--kill-child", "--net", "--mount", "--ipc", "--uts")
+INIT_SOURCE = Path(__file__).with_name("sandbox_init.py").read_text()
+log = structlog.get_logger("actions.coderun")
 
 
-def parse_tests(tests: str) -> tuple[list[ast.stmt], int]:
-    """The top-level statements of ``tests`` and how many are ``assert`` (each one a test)."""
-    try:
-        body = ast.parse(tests, "<tests>").body
-    except SyntaxError as exc:
-        raise ValueError(f"run_code 'tests' do not parse: {exc.msg} (line {exc.lineno})") from None
-    total = sum(isinstance(s, ast.Assert) for s in body)
-    if total == 0:
-        raise ValueError("run_code 'tests' have no top-level assert statement: each assert is one test")
-    return body, total
+@dataclass(frozen=True)
+class Limits:
+    """What one run of code may use besides its wall time (the caller's ``timeout_s``)."""
+
+    memory_mb: int = 512  # address space; never above the worker's own limit (actions.memory_mb)
+    processes: int = 32  # processes and threads of the sandbox's uid
+    scratch_mb: int = 64  # the tmpfs that is cwd, HOME and TMPDIR
+    file_bytes: int = 16 << 20  # largest file the code may write
+    open_files: int = 64
 
 
-def _describe(exc: BaseException, where: str = "") -> str:
-    try:
-        detail = str(exc)
-    except Exception:  # the code's own exception class may fail to print
-        detail = ""
-    text = f"{type(exc).__name__}: {detail}" if detail else type(exc).__name__
-    if where:
-        text = f"{text} in `{where}`"
-    return text[:ERROR_LIMIT]
+LIMITS = Limits()
 
 
-def _send(obj: dict[str, Any], nonce: str) -> None:
-    data = (json.dumps({**obj, "nonce": nonce}) + "\n").encode()
-    while data:
-        data = data[os.write(RESULT_FD, data):]
-
-
-def _child_setup(scratch: str, res_w: int, out_w: int, cpu_s: float, parent: int) -> None:
-    """Isolate the child: own process group, dies with the worker, fds 0-2 redirected, limits set."""
-    os.setpgid(0, 0)
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):  # not Linux: the CPU limit below still ends a runaway child
-        pass
-    if os.getppid() != parent:  # the worker died before prctl took effect
-        os._exit(1)
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)
-    os.dup2(out_w, 1)
-    os.dup2(out_w, 2)
-    os.dup2(res_w, RESULT_FD, inheritable=False)  # programs the code starts do not get the result pipe
-    # The worker's protocol pipes and anything else inherited stay out of the code's reach.
-    os.closerange(RESULT_FD + 1, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
-    sys.stdin = open(0, closefd=False)  # lives until os._exit
-    sys.stdout = sys.stderr = open(1, "w", closefd=False, buffering=1)
-    os.chdir(scratch)
-    _lower(resource.RLIMIT_CPU, math.ceil(cpu_s) + 1)
-    _lower(resource.RLIMIT_FSIZE, FILE_LIMIT)
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # too big a file: an OSError in the code, not a kill
-
-
-def _lower(kind: int, value: int) -> None:
-    """Set a resource limit to ``value``, never above the hard limit already in place."""
-    _, hard = resource.getrlimit(kind)
-    if hard != resource.RLIM_INFINITY:
-        value = min(value, hard)
-    resource.setrlimit(kind, (value, value))
-
-
-def _flush() -> None:
-    """Flush the code's buffered output before the final report, so the parent reads all of it."""
-    try:
-        sys.stdout.flush()
-    except Exception:  # the code may have replaced or closed sys.stdout
-        pass
-
-
-def _child_run(code: str, tests: list[ast.stmt], nonce: str) -> None:
-    """Exec the code, then each top-level test statement on its own, reporting every step."""
-    ns: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
-    try:
-        exec(compile(code, "<solution>", "exec", optimize=0), ns)  # running untrusted code is the point
-    except BaseException as exc:  # SystemExit and KeyboardInterrupt too: the code must not end the run
-        ns.clear()  # a memory bomb's objects go before the report is written
-        _flush()
-        _send({"event": "code", "error": _describe(exc)}, nonce)
-        return
-    _send({"event": "code", "error": None}, nonce)
-    for stmt in tests:
-        where = ast.unparse(stmt)[:200]
-        try:
-            exec(compile(ast.Module([stmt], []), "<tests>", "exec", optimize=0), ns)
-            error = None
-        except BaseException as exc:
-            error = _describe(exc, where)
-        if isinstance(stmt, ast.Assert):
-            _send({"event": "test", "ok": error is None, "error": error}, nonce)
-        elif error is not None:
-            _send({"event": "setup", "error": error}, nonce)
-    _flush()
-    _send({"event": "done"}, nonce)
+def _collect(res_r: int, out_r: int, deadline: float, report: Report,
+             stop_at_final: bool) -> tuple[bytes, bool]:
+    """Read reports and output until the result pipe closes (unisolated: the last report) or the deadline."""
+    buf, out = b"", b""
+    open_fds = [res_r, out_r]
+    while res_r in open_fds and not (stop_at_final and report.final):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        for fd in select.select(open_fds, [], [], left)[0]:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                open_fds.remove(fd)
+            elif fd == res_r:
+                *lines, buf = (buf + chunk).split(b"\n")
+                for line in lines:
+                    if report.size < RESULT_LIMIT:
+                        report.feed(line)
+                buf = buf if len(buf) < LINE_LIMIT else b""  # an overlong line is dropped
+            elif len(out) <= STDOUT_LIMIT:
+                out += chunk
+    timed_out = res_r in open_fds and not (stop_at_final and report.final)
+    while out_r in open_fds and select.select([out_r], [], [], 0)[0]:  # what is already written
+        chunk = os.read(out_r, 65536)
+        if not chunk:
+            break
+        if len(out) <= STDOUT_LIMIT:
+            out += chunk
+    return out, timed_out
 
 
 def _status(wait_status: int) -> str:
@@ -138,115 +101,131 @@ def _status(wait_status: int) -> str:
     return f"the code process exited with status {os.WEXITSTATUS(wait_status)} before finishing"
 
 
-def run_code(code: str, tests: str, timeout_s: float) -> dict[str, Any]:
-    """Run ``code`` then each top-level assert of ``tests``; partial credit is tests_passed / tests_total."""
-    body, total = parse_tests(tests)
+# --- in namespaces -------------------------------------------------------------------------------------------
+def _run_isolated(code: str, plan: Plan, timeout_s: float, limits: Limits) -> dict[str, Any]:
+    """Run in fresh namespaces: PID 1 (sandbox_init) builds the root and forks the runner, which reports on
+    the result pipe; the run is over when that pipe closes (PID 1 is gone) or at the deadline."""
+    root = os.geteuid() == 0  # else a user namespace, where the runner drops its capabilities instead of uid 0
+    prefix = os.path.realpath(sys.base_prefix)
+    config = marshal.dumps({
+        "code": code, "steps": plan.steps, "scratch_mb": limits.scratch_mb,
+        "uid_base": UID_BASE if root else None,
+        "limits": {"cpu_s": math.ceil(timeout_s) + 1, "memory_mb": limits.memory_mb,
+                   "processes": limits.processes, "file_bytes": limits.file_bytes,
+                   "open_files": limits.open_files},
+        "env": {"PATH": f"{prefix}/bin:/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp",
+                "LANG": "C.UTF-8"},
+    })
+    cfg = os.memfd_create("chorus-sandbox", os.MFD_CLOEXEC)
+    while config:
+        config = config[os.write(cfg, config):]
+    (res_r, res_w), (out_r, out_w), (life_r, life_w) = os.pipe(), os.pipe(), os.pipe()
+    inner = (cfg, res_w, out_w, life_r)
+    user = [] if root else ["--user", "--map-root-user"]
+    try:
+        proc = subprocess.Popen(
+            [shutil.which("unshare") or "unshare", *UNSHARE_FLAGS, *user, os.path.realpath(sys.executable),
+             "-I", "-S", "-c", INIT_SOURCE, *map(str, inner)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, pass_fds=inner,
+            start_new_session=True, env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}, cwd="/")
+    except BaseException:
+        for fd in (res_r, out_r, life_w):
+            os.close(fd)
+        raise
+    finally:
+        for fd in inner:
+            os.close(fd)
+    report = Report(plan)
+    try:
+        stdout, timed_out = _collect(res_r, out_r, time.monotonic() + timeout_s, report, stop_at_final=False)
+    finally:
+        os.close(life_w)  # PID 1 exits, and with it every process of the sandbox
+        exit_text = _reap_sandbox(proc)
+        os.close(res_r)
+        os.close(out_r)
+    return result(report, stdout, timed_out, exit_text, timeout_s)
+
+
+def _reap_sandbox(proc: subprocess.Popen[bytes]) -> str:
+    """Wait for unshare, which returns once PID 1, and so the whole namespace, is gone; say how the runner
+    ended, from what PID 1 wrote on its stdout (the runner cannot write there)."""
+    try:
+        proc.wait(REAP_S)
+    except subprocess.TimeoutExpired:  # backstop: unshare and PID 1 share this process group
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    assert proc.stdout is not None
+    text = proc.stdout.read(1 << 16).decode(errors="replace")
+    proc.stdout.close()
+    for line in reversed(text.splitlines()):
+        try:
+            said = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(said, dict) and type(said.get("status")) is int:
+            return _status(said["status"])
+        if isinstance(said, dict) and said.get("lifeline"):
+            return "the code process closed its result pipe before finishing"
+        if isinstance(said, dict) and isinstance(said.get("error"), str):
+            return said["error"][:ERROR_LIMIT]
+    return f"the sandbox exited with status {proc.returncode}: {text.strip()[-300:] or 'no output'}"
+
+
+@functools.cache
+def isolation() -> tuple[str, str]:
+    """How code actions run in this process: ``("namespaces", how)`` or ``("none", why not)``; tried once."""
+    mode, reason = "none", ""
+    if not sys.platform.startswith("linux") or shutil.which("unshare") is None:
+        reason = "no unshare (util-linux) on this system"
+    else:
+        try:
+            trial = _run_isolated("x = 6 * 7", plan_tests("assert x == 42"), 10.0, LIMITS)
+            mode, reason = ("namespaces", "unshare " + " ".join(UNSHARE_FLAGS)) if trial["passed"] else (
+                "none", f"a trial run in namespaces failed: {trial['error']}")
+        except OSError as exc:
+            reason = f"unshare could not start: {exc}"
+    if mode == "none":
+        log.warning(f"code actions run WITHOUT namespace isolation: {reason}")
+    return mode, reason
+
+
+# --- unisolated fallback: a forked child of the worker ------------------------------------------------------
+def _run_forked(code: str, plan: Plan, timeout_s: float, limits: Limits) -> dict[str, Any]:
     scratch = tempfile.mkdtemp(prefix="chorus-code-")
-    res_r, res_w = os.pipe()
-    out_r, out_w = os.pipe()
+    (res_r, res_w), (out_r, out_w) = os.pipe(), os.pipe()
     parent = os.getpid()
-    # Reports carry a secret of this run, so code that writes to the result pipe cannot forge passing tests.
-    nonce = secrets.token_hex(16)
     pid = os.fork()
     if pid == 0:  # the child never returns into the worker
         try:
             os.close(res_r)
             os.close(out_r)
-            _child_setup(scratch, res_w, out_w, timeout_s, parent)
-            _child_run(code, body, nonce)
-        except BaseException:  # whatever happened, the child must not outlive this block
+            unisolated_child(scratch, res_w, out_w, parent, math.ceil(timeout_s) + 1, limits.file_bytes)
+            run_steps(code, [list(s) for s in plan.steps], RESULT_FD)
+        except BaseException:
             os._exit(70)
         os._exit(0)
     os.close(res_w)
     os.close(out_w)
+    report = Report(plan)
     try:
-        events, stdout, timed_out = _collect(res_r, out_r, timeout_s, nonce)
+        stdout, timed_out = _collect(res_r, out_r, time.monotonic() + timeout_s, report, stop_at_final=True)
     finally:
-        status = _reap(pid)
+        try:
+            os.killpg(pid, signal.SIGKILL)  # the code may have started others
+        except (ProcessLookupError, PermissionError):
+            pass
+        _, status = os.waitpid(pid, 0)
         os.close(res_r)
         os.close(out_r)
         shutil.rmtree(scratch, ignore_errors=True)
-    return _result(events, stdout, timed_out, total, timeout_s, status)
+    return result(report, stdout, timed_out, _status(status), timeout_s)
 
 
-def _collect(res_r: int, out_r: int, timeout_s: float, nonce: str) -> tuple[list[dict[str, Any]], bytes, bool]:
-    """Read result lines and output until the child closes its result pipe or the deadline passes."""
-    deadline = time.monotonic() + timeout_s
-    buf, out = b"", b""
-    events: list[dict[str, Any]] = []
-    open_fds = [res_r, out_r]
-    finished = False
-    while res_r in open_fds and not finished:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            break
-        ready, _, _ = select.select(open_fds, [], [], left)
-        for fd in ready:
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                open_fds.remove(fd)
-            elif fd == res_r:
-                *lines, buf = (buf + chunk).split(b"\n")
-                events += _parse(lines, nonce)
-                finished = any(_final(e) for e in events)
-            elif len(out) <= STDOUT_LIMIT:
-                out += chunk
-    timed_out = res_r in open_fds and not finished
-    while out_r in open_fds and select.select([out_r], [], [], 0)[0]:  # what is already written
-        chunk = os.read(out_r, 65536)
-        if not chunk:
-            break
-        if len(out) <= STDOUT_LIMIT:
-            out += chunk
-    return events, out, timed_out
-
-
-def _parse(lines: list[bytes], nonce: str) -> list[dict[str, Any]]:
-    events = []
-    for line in lines:
-        try:
-            event = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(event, dict) and event.get("nonce") == nonce:
-            events.append(event)
-    return events
-
-
-def _final(event: dict[str, Any]) -> bool:
-    """The child's last report: all tests ran, or the code itself failed."""
-    return event.get("event") == "done" or (event.get("event") == "code" and bool(event.get("error")))
-
-
-def _reap(pid: int) -> int:
-    """Kill the child's process group (it may have started others) and return the child's wait status."""
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    _, status = os.waitpid(pid, 0)
-    return status
-
-
-def _result(events: list[dict[str, Any]], stdout: bytes, timed_out: bool, total: int, timeout_s: float,
-            status: int) -> dict[str, Any]:
-    tests = [e for e in events if e.get("event") == "test"]
-    passed = sum(bool(e.get("ok")) for e in tests)
-    finished = any(_final(e) for e in events)
-    errors = [e["error"] for e in events if e.get("error")]
-    if timed_out:
-        errors.insert(0, f"timeout after {timeout_s:g}s")
-    elif not finished:
-        errors.insert(0, _status(status))
-    text = stdout[:STDOUT_LIMIT].decode("utf-8", errors="replace")
-    if len(stdout) > STDOUT_LIMIT:
-        text += "\n...[output truncated]"
-    error = errors[0] if errors else None
-    return {
-        "passed": error is None and passed == total,
-        "tests_passed": passed,
-        "tests_total": total,
-        "reward": passed / total,
-        "error": error,
-        "stdout": text,
-    }
+def run_code(code: str, tests: str, timeout_s: float, limits: Limits = LIMITS) -> dict[str, Any]:
+    """Run ``code`` then each top-level assert of ``tests``; partial credit is tests_passed / tests_total."""
+    plan = plan_tests(tests)
+    run = _run_isolated if isolation()[0] == "namespaces" else _run_forked
+    return run(code, plan, timeout_s, limits)

@@ -9,6 +9,7 @@ from typing import Any
 from nats.aio.msg import Msg
 
 from services.actions.actions import REGISTRY
+from services.actions.coderun import isolation
 from services.actions.pool import WorkerPool
 from shared.codec import DecodeError, decode, encode
 from shared.peers import accept
@@ -25,6 +26,14 @@ class ActionsService(Service):
 
     async def setup(self) -> None:
         acfg = self.cfg.actions
+        # Tried here once (a trial sandbox) so that a host without namespaces is said at start, not hidden in a
+        # worker: code actions then run unisolated (docs/sandbox.md).
+        self.isolation = await asyncio.to_thread(isolation)
+        mode, reason = self.isolation
+        if mode == "none":
+            self.log.warning(f"code actions run WITHOUT namespace isolation: {reason}")
+        else:
+            self.log.info("code actions run in Linux namespaces", isolation=reason)
         self.pool = WorkerPool(acfg.cores, acfg.memory_mb)
         await self.pool.start()
         self._inflight: set[asyncio.Task[None]] = set()
@@ -51,6 +60,7 @@ class ActionsService(Service):
             "busy_cores": pool.scheduler.busy,
             "cores": pool.scheduler.cores,
             "pool": dict(pool.counters),
+            "isolation": self.isolation[0],
         }
 
     async def _on_request(self, msg: Msg) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import math
 import os
 import time
 
@@ -12,7 +14,9 @@ from hypothesis import strategies as st
 
 from services.actions.actions import check_answer, check_math, leading_number, score_answer
 from services.actions.pool import WorkerPool
+from services.actions.sandbox_init import Unserialisable, decode, encode
 from services.actions.scheduler import FcfsScheduler
+from services.actions.verdicts import plan_tests
 
 
 async def test_scheduler_grants_in_arrival_order_without_backfilling():
@@ -238,7 +242,7 @@ async def test_run_code_scores_each_top_level_assert(pool: WorkerPool):
         ("raise KeyboardInterrupt\n", "KeyboardInterrupt"),
         ("import os\nos._exit(0)\n", "the code process exited with status 0 before finishing"),
         ("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n", "the code process was killed by SIGKILL"),
-        # Forged reports on the result pipe are ignored: they lack the run's secret.
+        # Forged reports on the result pipe earn nothing: every verdict is computed outside, from probe values.
         ("import os\nfor _ in range(3):\n    os.write(3, b'{\"event\": \"test\", \"ok\": true}\\n')\n"
          "os.write(3, b'{\"event\": \"done\"}\\n')\nos._exit(0)\n", "the code process exited with status 0"),
     ],
@@ -269,16 +273,29 @@ async def test_code_deadline_stays_inside_the_pool_timeout_so_the_worker_is_not_
     assert pool.counters["timeouts"] == 0 and pool.counters["restarts"] == 0
 
 
+def _running_with_arg(arg: bytes) -> list[int]:
+    """Host processes (not zombies) whose command line has ``arg``."""
+    pids = []
+    for name in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                if arg in f.read().split(b"\0") and not _proc_gone(int(name)):
+                    pids.append(int(name))
+        except (FileNotFoundError, ProcessLookupError, ValueError, NotADirectoryError):
+            continue
+    return pids
+
+
 async def test_processes_started_by_the_code_are_killed_with_it(pool: WorkerPool):
-    code = "import subprocess\np = subprocess.Popen(['sleep', '60'])\nprint(p.pid)\n" + GOOD_ADD
+    # The pid the code sees is its namespace's own, so the host looks for the program by its arguments.
+    code = "import subprocess\np = subprocess.Popen(['sleep', '61.2345'])\nprint(p.pid)\n" + GOOD_ADD
     out = await pool.run("run_code", {"code": code, "tests": ADD_TESTS}, 5)
-    assert out.result is not None and out.result["passed"] is True
-    pid = int(out.result["stdout"])
-    for _ in range(50):
-        if _proc_gone(pid):
+    assert out.result is not None and out.result["passed"] is True and int(out.result["stdout"]) > 0
+    for _ in range(50):  # unisolated, the kill is not waited for
+        if not _running_with_arg(b"61.2345"):
             break
         await asyncio.sleep(0.02)
-    assert _proc_gone(pid)
+    assert _running_with_arg(b"61.2345") == []
 
 
 async def test_flooding_output_is_truncated(pool: WorkerPool):
@@ -333,3 +350,86 @@ async def test_output_without_a_newline_is_not_lost(pool: WorkerPool):
     assert out.result is not None and out.result["stdout"] == "partial"
     err = await pool.run("run_code", {"code": "print('before', end='')\nraise ValueError('bad')", "tests": ADD_TESTS}, 5)
     assert err.result is not None and err.result["stdout"] == "before" and err.result["error"] == "ValueError: bad"
+
+
+# --- verdicts outside the sandbox: probes and their values --------------------------------------------------
+@pytest.mark.parametrize(
+    ("tests", "probes"),
+    [
+        ("assert add(2, 3) == 5", ["add(2, 3)"]),
+        ("assert abs(f(1.5) - 2.25) < 1e-9 and len(g()) == 3", ["f(1.5)", "g()"]),
+        ("import math\nassert math.isclose(f(1.0), 2.0, rel_tol=1e-6)", ["f(1.0)"]),
+        ("cases = [(1, 2)]\nassert all(f(x) == y for x, y in cases)", ["[(f(x), y) for x, y in cases]"]),
+        ("assert isinstance(f(1), (int, float)) and f(2) is None", ["f(1)", "f(2)"]),
+        # A class of the code is not data: the whole check runs in the sandbox and reports a bool.
+        ("assert isinstance(f(1), Point)", ["isinstance(f(1), Point)"]),
+        ("assert sorted(f(), key=lambda p: p[1]) == []", ["sorted(f(), key=lambda p: p[1])"]),
+        # A builtin the tests rebind is theirs, not the whitelisted one.
+        ("def sorted(x):\n    return x\nassert sorted(f()) == [1]", ["sorted(f())"]),
+        ("assert 1 + 1 == 2", ["None"]),  # reads nothing: passes once the sandbox gets there
+    ],
+)
+def test_only_the_code_parts_of_an_assert_enter_the_sandbox(tests: str, probes: list[str]):
+    plan = plan_tests(tests)
+    assert [source for kind, source in plan.steps if kind == "probe"] == probes
+    assert len(plan.checks) == 1
+
+
+def test_expected_values_never_enter_the_sandbox():
+    plan = plan_tests("x = 4\nassert add(2, 3) == 918273645\nassert add(x, 1) not in (7777777, -31337)\n")
+    sent = "\n".join(source for _, source in plan.steps)
+    assert sent == "x = 4\nadd(2, 3)\nadd(x, 1)"
+
+
+builtin_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text() | st.binary(),
+    lambda inner: st.lists(inner, max_size=4) | st.tuples(inner, inner)
+    | st.dictionaries(st.text(max_size=3) | st.integers(), inner, max_size=3)
+    | st.sets(st.integers(), max_size=4) | st.frozensets(st.text(max_size=3), max_size=3),
+    max_leaves=12,
+)
+
+
+def _types(value: object) -> object:
+    """The value's exact types, all the way down."""
+    if isinstance(value, list | tuple):
+        return type(value), [_types(v) for v in value]
+    if isinstance(value, dict):
+        return dict, sorted((repr(k), _types(k), _types(v)) for k, v in value.items())
+    if isinstance(value, set | frozenset):
+        return type(value), sorted(type(v).__name__ for v in value)
+    return type(value)
+
+
+@given(builtin_values)
+def test_probe_values_round_trip_with_their_exact_builtin_types(value: object):
+    back = decode(json.loads(json.dumps(encode(value))))
+    assert back == value and _types(back) == _types(value)
+    nan = decode(json.loads(json.dumps(encode([float("nan"), float("-inf")]))))
+    assert math.isnan(nan[0]) and nan[1] == float("-inf")
+
+
+class _EqualToAll:
+    def __eq__(self, other: object) -> bool:
+        return True
+
+    __hash__ = object.__hash__
+
+
+class _SneakyInt(int):
+    def __eq__(self, other: object) -> bool:
+        return True
+
+    __hash__ = int.__hash__
+
+
+@pytest.mark.parametrize("value", [_EqualToAll(), _SneakyInt(3), [1, _SneakyInt(2)], {"k": object()}, range(3)])
+def test_only_exact_builtin_types_are_reported(value: object):
+    with pytest.raises(Unserialisable, match="unserialisable value of type"):
+        encode(value)
+
+
+@pytest.mark.parametrize("data", [1.5, {"x": 1}, {"f": 1}, {"t": "ab"}, {"d": [[[1], 2]]}, {"f": "1", "b": ""}])
+def test_malformed_reports_are_not_values(data: object):
+    with pytest.raises((ValueError, TypeError)):
+        decode(data)
