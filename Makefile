@@ -45,6 +45,7 @@ bench: venv
 	$(BIN)/python loadtests/bus_throughput.py
 	$(BIN)/python loadtests/bench_pipeline.py
 	$(BIN)/python loadtests/bench_weightsync.py
+	$(BIN)/python loadtests/bench_sandbox.py
 
 plot: venv
 	$(BIN)/chorus plot $$(ls -d runs/*/ | tail -n 1)
