@@ -177,6 +177,12 @@ def model_limits(cfg: ChorusConfig, name: str) -> tuple[int | None, int | None]:
     return (int(vocab) if isinstance(vocab, int) else None, int(context) if isinstance(context, int) else None)
 
 
+def context_length(net: torch.nn.Module) -> int | None:
+    """The positions a loaded network was trained for (``max_position_embeddings``), or None if it says not."""
+    context = getattr(getattr(net, "config", None), "max_position_embeddings", None)
+    return int(context) if isinstance(context, int) else None
+
+
 def smollm2_dir_if_ready(cache_dir: Path) -> Path | None:
     target = cache_dir / SMOLLM2_CACHE
     return target if (target / ".complete").exists() else None

@@ -217,12 +217,14 @@ class Service:
         return task
 
     # --- helpers --------------------------------------------------------------------------
-    def decode_own(self, cls: type[M], data: bytes) -> M:
-        """Decode a per-model message; one addressed to another model is a :class:`DecodeError` too."""
+    def decode_own(self, cls: type[M], data: bytes, model: str | None = None) -> M:
+        """Decode a per-model message; one addressed to another model than ``model`` (default: this service's) is
+        a :class:`DecodeError` too."""
         message = decode(cls, data)
-        model = getattr(message, "model", None)
-        if model != self.model:
-            raise DecodeError(f"{cls.__name__} for model {model!r} on a subject of model {self.model!r}")
+        expected = self.model if model is None else model
+        got = getattr(message, "model", None)
+        if got != expected:
+            raise DecodeError(f"{cls.__name__} for model {got!r} on a subject of model {expected!r}")
         return message
 
     async def finish_task(self, task: asyncio.Task[Any] | None, timeout_s: float) -> None:

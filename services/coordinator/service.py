@@ -179,9 +179,7 @@ class CoordinatorService(Service):
     async def _on_sync_done(self, msg: Msg) -> None:
         model = msg.subject.rsplit(".", 2)[-2]
         try:
-            done = decode(SyncDone, msg.data)
-            if done.model != model:
-                raise DecodeError(f"SyncDone for model {done.model!r} on a subject of model {model!r}")
+            self.decode_own(SyncDone, msg.data, model)
         except DecodeError as exc:
             await self.to_dlq(msg.subject, msg.data, exc.reason)
             return
@@ -307,11 +305,11 @@ class CoordinatorService(Service):
         """Count a failure of the workflow; log each distinct error once; stop the run past max_failures."""
         self.counters["workflow_timeouts" if isinstance(exc, WorkflowTimeout) else "workflow_errors"] += 1
         if self.failures.note(exc):
-            cause = root_cause(exc)
+            cause, key, error = root_cause(exc), error_key(exc), f"{type(exc).__name__}: {exc}"
             self.log.error("workflow failed; this error is logged once and counted from now on (metrics "
-                           "workflow_failures)", task=task_id, key=error_key(exc), error=f"{type(exc).__name__}: {exc}",
+                           "workflow_failures)", task=task_id, key=key, error=error,
                            exc_info=cause if cause.__traceback__ is not None else None)
-            await self.event("workflow_error", key=error_key(exc), error=f"{type(exc).__name__}: {exc}"[:1000])
+            await self.event("workflow_error", key=key, error=error[:1000])
         if self.failures.exhausted and not self.stopping:
             wf = self.cfg.workflow
             error = (f"the workflow failed {self.failures.total} times (workflow.max_failures {wf.max_failures}); "

@@ -13,7 +13,7 @@ from typing import Literal
 
 import torch
 
-from shared.models import Tokenizer, shipped_tensors
+from shared.models import Tokenizer, context_length, shipped_tensors
 from shared.tokenizer import ByteTokenizer
 
 Finish = Literal["stop", "length"]
@@ -122,8 +122,7 @@ class TorchEngine:
         self.rows_generated = 0
         self.tokens_generated = 0
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
-        context = getattr(self.model.config, "max_position_embeddings", None)
-        self.context: int | None = int(context) if isinstance(context, int) else None
+        self.context = context_length(self.model)
         for what, tid in (("eos_id", self.tokenizer.eos_id), ("pad_id", self.tokenizer.pad_id)):
             if not 0 <= tid < self.vocab_size:
                 raise ValueError(f"tokenizer {what} {tid} is outside the model's vocabulary [0, {self.vocab_size})")

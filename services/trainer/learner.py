@@ -18,7 +18,7 @@ import torch
 
 from services.trainer.grpo import ppo_clip_loss
 from shared.config import ChorusConfig
-from shared.models import load_model, load_tokenizer, shipped_tensors
+from shared.models import context_length, load_model, load_tokenizer, shipped_tensors
 from shared.schemas import Sample
 from shared.validation import arrays_problem, numbers_problem
 
@@ -75,13 +75,18 @@ def validate_sample(s: Sample, vocab_size: int, adapters: Sequence[str] | None,
 
     ``adapters``: the LoRA adapters of the model, or None for a full model (whose samples name no adapter).
     """
-    if adapters is None and s.adapter is not None:
-        return f"sample {s.sample_id}: adapter {s.adapter!r}, but this model has no LoRA adapters"
-    if adapters is not None and s.adapter not in adapters:
-        return (f"sample {s.sample_id}: adapter {s.adapter!r} is not one of the model's adapters {sorted(adapters)} "
-                "(the base of a LoRA model is frozen; check agents.<agent>.adapter)")
-    why = numbers_problem(s) or arrays_problem(s, vocab_size, context)
+    why = adapter_problem(s, adapters) or numbers_problem(s) or arrays_problem(s, vocab_size, context)
     return None if why is None else f"sample {s.sample_id}: {why}"
+
+
+def adapter_problem(s: Sample, adapters: Sequence[str] | None) -> str | None:
+    """Why a model with LoRA ``adapters`` (None: a full model) cannot train on ``s``'s adapter, or None."""
+    if adapters is None and s.adapter is not None:
+        return f"adapter {s.adapter!r}, but this model has no LoRA adapters"
+    if adapters is not None and s.adapter not in adapters:
+        return (f"adapter {s.adapter!r} is not one of the model's adapters {sorted(adapters)} "
+                "(the base of a LoRA model is frozen; check agents.<agent>.adapter)")
+    return None
 
 
 class Learner:
@@ -111,8 +116,7 @@ class Learner:
         self.net = load_model(cfg, model)
         self.net.train(not self.lora)
         self.vocab_size = int(self.net.get_input_embeddings().num_embeddings)
-        context = getattr(self.net.config, "max_position_embeddings", None)
-        self.context: int | None = int(context) if isinstance(context, int) else None
+        self.context = context_length(self.net)
         self.trainable = [p for p in self.net.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.trainable, lr=optim.lr, betas=tuple(optim.betas),
                                            weight_decay=optim.weight_decay)

@@ -31,7 +31,7 @@ from nats.js.errors import NotFoundError
 from services.trainer.commits import CommitPointError, Commits, Fenced
 from services.trainer.grpo import micro_batch_advantages
 from services.trainer.intake import SeenIds, StepBook, filter_samples
-from services.trainer.learner import Learner, StepResult
+from services.trainer.learner import Learner, StepResult, adapter_problem
 from services.trainer.state import Committed, RecentSteps, pack_state, steps_remembered, unpack_state
 from shared.bus import fetch, kv_put_int_max, pull_consumer, stream_seq
 from shared.codec import DecodeError, decode, encode
@@ -268,7 +268,7 @@ class TrainerService(Service):
         bad: list[tuple[Sample, str]] = []
         for s in mb.samples:
             why = (f"sample {s.sample_id} is for model {s.model!r}, this trainer trains {self.model!r}"
-                   if s.model != self.model else sample_problem(s, self.cfg) or self.learner.validate(s))
+                   if s.model != self.model else self._sample_problem(s))
             if why is None and s.version > self.learner.version:
                 why = (f"sample {s.sample_id} claims weight version {s.version}, newer than this trainer's "
                        f"{self.learner.version}: no rollouter could have served it")
@@ -283,6 +283,12 @@ class TrainerService(Service):
             if not await self._drop([s for s, _ in bad], "invalid", f"invalid: {bad[0][1]}"):
                 return None
         return keep
+
+    def _sample_problem(self, s: Sample) -> str | None:
+        """The run's checks of a sample, with this learner's vocabulary and context, then its adapters."""
+        why = sample_problem(s, self.cfg, self.learner.vocab_size, self.learner.context)
+        adapter = None if why is not None else adapter_problem(s, self.learner.adapters)
+        return why if adapter is None else f"sample {s.sample_id}: {adapter}"
 
     def _accumulate(self, samples: Sequence[Sample], keep_idx: list[int]) -> float:
         """Worker thread: each sample's advantage (the coordinator's, else GRPO over the micro-batch's groups of the
