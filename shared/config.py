@@ -86,6 +86,15 @@ class RolloutSection(Section):
     batch_window_ms: float = Field(default=5.0, ge=0.0)
     threads: int = Field(default=1, ge=1)  # torch intra-op threads of the engine's worker
     request_timeout_s: float = 60.0
+    # continuous: rows join and leave the running batch at every decode step (Llama-family models; others
+    # fall back to static, with a warning); static: a batch runs until its longest row ends.
+    engine: Literal["continuous", "static"] = "continuous"
+    # KV budget of the continuous engine: prompt + generated tokens of every row in flight (0: max_batch rows
+    # of the model's full context). A request waits in the queue until its rows fit.
+    max_tokens: int = Field(default=0, ge=0)
+    # what a weight sync does to rows mid-generation: drain (finish them on the old weights first; no answer
+    # mixes versions) or interrupt (pause them at a step boundary, load, re-prefill, continue: partial rollout)
+    on_sync: Literal["drain", "interrupt"] = "drain"
 
 
 class OptimSection(Section):
@@ -110,6 +119,9 @@ class ModelConfig(Section):
     source: Literal["tiny", "hf", "smollm2"] = "tiny"
     path: Path | None = None
     dtype: Literal["float32", "bfloat16"] = "float32"
+    # where the rollouter and the trainer of this model compute: cpu, cuda (an error at start when CUDA is
+    # absent), or auto (cuda when available, else cpu)
+    device: Literal["cpu", "cuda", "auto"] = "cpu"
     arch: ArchConfig = Field(default_factory=ArchConfig)
     lora: LoraSection | None = None  # set: the base is frozen and each agent's adapter is trained
     rollouter: RolloutSection = Field(default_factory=RolloutSection)

@@ -33,6 +33,7 @@ class SamplingParams:
     top_p: float = 1.0
     stop_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()  # stop strings: the row ends once its decoded text contains one
+    ignore_eos: bool = False  # run to max_new_tokens even past EOS (benchmarks: fixed output lengths)
 
 
 @dataclass
@@ -174,6 +175,8 @@ class TorchEngine:
         stop_table = torch.zeros((n, self.vocab_size), dtype=torch.bool)
         stop_table[:, tok.eos_id] = True
         for i, p in enumerate(params):
+            if p.ignore_eos:
+                stop_table[i, tok.eos_id] = False
             valid = [s for s in p.stop_ids if 0 <= s < stop_table.shape[1]]
             if valid:
                 stop_table[i, valid] = True
