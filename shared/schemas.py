@@ -92,6 +92,9 @@ class GenOutput(Message):
     ids: Array  # response token ids, int32 [n]
     logprobs: Array  # behaviour log-probs of those ids, float32 [n]
     finish: Literal["stop", "length"]
+    # weight version that sampled each id, int32 [n]; None: every id has the response's version. Several
+    # versions appear only with rollouter.on_sync interrupt (partial rollout).
+    versions: Array | None = None
 
 
 class GenResponse(Message):
@@ -99,7 +102,7 @@ class GenResponse(Message):
 
     request_id: str
     outputs: list[GenOutput] = Field(default_factory=list)
-    version: int = 0  # weight version that produced every output (never a mix)
+    version: int = 0  # weight version of the outputs' oldest token (of every token unless outputs say versions)
     instance: str = ""
     error: str | None = None
 
@@ -155,7 +158,10 @@ class Sample(Message):
     group_key: str  # AT-GRPO group: (env, agent, turn)
     group_size: int = Field(gt=0)
     advantage: float | None = None  # set by the coordinator under train.grouping "episode"; else the trainer's
-    version: int  # acting model's weight version at generation
+    version: int  # acting model's weight version at generation (of the oldest token: staleness counts from it)
+    # weight version of each response token, int32 [n]; None: all ``version``. Several versions only when a
+    # sync interrupted the generation (rollouter.on_sync interrupt).
+    token_versions: Array | None = None
     versions: dict[str, int] = Field(default_factory=dict)  # snapshot of every model's version
     timings: dict[str, float] = Field(default_factory=dict)
     created_at: float = Field(default_factory=time.time)

@@ -54,6 +54,14 @@ def arrays_problem(s: Sample, vocab_size: int | None = None, context: int | None
     lp = s.behavior_logprobs.numpy().astype(np.float32)
     if lp.size and not (np.isfinite(lp).all() and (lp <= LOGPROB_SLACK).all()):
         return "behavior_logprobs must be finite and <= 0"
+    tv = s.token_versions
+    if tv is not None:
+        if len(tv.shape) != 1 or tv.shape[0] != s.response_ids.shape[0] or tv.dtype not in ("int32", "int64"):
+            return (f"token_versions must be int32 [{s.response_ids.shape[0]}] (one per response id), "
+                    f"has {tv.dtype} {tv.shape}")
+        v = tv.numpy()
+        if v.size and int(v.min()) != s.version:
+            return f"version {s.version} is not the oldest of token_versions (min {int(v.min())})"
     return None
 
 

@@ -129,6 +129,10 @@ class Batcher:
         """Run ``fn`` on the engine's worker thread, between generations (e.g. a weight load)."""
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn)
 
+    async def load(self, fn: Callable[[], T], timeout_s: float = 600.0) -> T:
+        """A weight load: between two batches, so no answer mixes versions."""
+        return await self.exclusive(fn)
+
     # --- loop ----------------------------------------------------------------------------
     async def run(self) -> None:
         """Forever: wait for work and admission, collect a window's worth, generate, answer."""
@@ -218,5 +222,244 @@ class Batcher:
             "batches": s.batches, "requests": s.requests, "rows_generated": s.rows, "tokens": s.tokens,
             "tokens_per_s": round(s.tokens_per_s, 1), "max_requests_per_batch": s.max_requests_per_batch,
             "max_adapters_per_batch": s.max_adapters_per_batch,
-            "expired": s.expired, "busy_s": round(s.busy_s, 4),
+            "expired": s.expired, "busy_s": round(s.busy_s, 4), "engine": "static",
+        }
+
+
+@dataclass
+class RowJob:
+    """A request in the continuous engine: answered once every row is done."""
+
+    job: Job
+    results: list[GenResult | None]
+    remaining: int
+
+
+class ContinuousBatcher:
+    """Requests in, rows of a :class:`~services.rollouter.continuous.ContinuousEngine` out, one step at a time.
+
+    Every engine step and every weight load runs on the one worker thread, so a step never sees two weight
+    versions. Requests join the running batch as soon as rows are free (``max_batch`` rows in flight); one
+    request's rows may start over several steps (FIFO, nothing overtakes the head of the queue).
+
+    A sync (``pause`` → ``drain`` → load → ``resume``) behaves as ``on_sync`` says. ``drain``: no new request
+    starts, the running rows finish on the weights they started with, then the load (no answer mixes
+    versions). ``interrupt``: steps stop at the next step boundary, the load happens with rows mid-flight,
+    and on resume each row recomputes its KV under the new weights and goes on (partial rollout: an answer's
+    tokens may carry several versions, each recorded).
+    """
+
+    def __init__(self, engine: Any, executor: Executor, *, max_batch: int, request_timeout_s: float,
+                 on_sync: str = "drain") -> None:
+        self.engine = engine
+        self.executor = executor
+        self.max_batch = max_batch
+        self.request_timeout_s = request_timeout_s
+        self.on_sync = on_sync
+        self.stats = BatchStats()
+        self._queue: deque[Job] = deque()
+        self._work = asyncio.Event()
+        self._admitting = asyncio.Event()
+        self._admitting.set()
+        self._idle = asyncio.Event()  # no request in the engine
+        self._idle.set()
+        self._between = asyncio.Event()  # no step running
+        self._between.set()
+        self._jobs: dict[int, RowJob] = {}
+        self.in_flight = 0  # requests in the engine and not answered yet
+        self.interrupted = 0  # syncs that found rows mid-generation (interrupt mode)
+        self.mixed_answers = 0  # answers whose tokens carry more than one version
+
+    # --- state ---------------------------------------------------------------------------
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    @property
+    def paused(self) -> bool:
+        return not self._admitting.is_set()
+
+    def submit(self, prompts: list[list[int]], params: SamplingParams,
+               adapter: str | None = None) -> asyncio.Future[tuple[int, list[GenResult]]]:
+        """Queue a request; the future resolves to (oldest token version, one result per prompt).
+
+        An adapter the engine lacks raises :class:`UnknownAdapter` here; a row over the KV budget fails the
+        future at once (it could never start).
+        """
+        self.engine.check_adapter(adapter)
+        fut: asyncio.Future[tuple[int, list[GenResult]]] = asyncio.get_running_loop().create_future()
+        try:
+            for p in prompts:
+                self.engine.check_fits(len(p), params)
+        except ValueError as exc:
+            fut.set_exception(exc)
+            return fut
+        self._queue.append(Job(prompts, params, fut, adapter))
+        self._work.set()
+        return fut
+
+    def pause(self) -> None:
+        """Stop starting requests (and, in interrupt mode, stop stepping at the next boundary)."""
+        self._admitting.clear()
+        if self.on_sync == "interrupt" and self.engine.busy:
+            self.interrupted += 1
+
+    def resume(self) -> None:
+        self._admitting.set()
+        self._work.set()
+
+    async def drain(self, timeout_s: float) -> bool:
+        """drain mode: wait until no request is in the engine; interrupt mode: until no step runs."""
+        event = self._between if self.on_sync == "interrupt" else self._idle
+        try:
+            await asyncio.wait_for(event.wait(), timeout_s)
+            return True
+        except TimeoutError:
+            return False
+
+    async def flush(self, timeout_s: float) -> bool:
+        """Wait until the queue is empty and nothing is in flight (used on shutdown)."""
+        deadline = time.monotonic() + timeout_s
+        while self._queue or self.in_flight:
+            if time.monotonic() > deadline or (self.paused and not self.in_flight):
+                return False
+            await asyncio.sleep(0.01)
+        return True
+
+    def fail_queued(self, exc: BaseException) -> int:
+        n = 0
+        while self._queue:
+            job = self._queue.popleft()
+            if not job.future.done():
+                job.future.set_exception(exc)
+                n += 1
+        return n
+
+    async def exclusive(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the engine's worker thread, between two steps."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn)
+
+    async def load(self, fn: Callable[[], T], timeout_s: float = 600.0) -> T:
+        """Run a weight load: in drain mode once the running rows are done (no answer mixes versions), in
+        interrupt mode at the next step boundary."""
+        if self.on_sync == "interrupt":
+            return await self.exclusive(fn)
+        was_paused = self.paused
+        self._admitting.clear()
+        try:
+            if not await self.drain(timeout_s):
+                raise TimeoutError(f"{self.in_flight} requests still generating after {timeout_s}s")
+            return await self.exclusive(fn)
+        finally:
+            if not was_paused:
+                self.resume()
+
+    # --- loop ----------------------------------------------------------------------------
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._work.wait()
+            stepping = self.engine.busy and (not self.paused or self.on_sync == "drain")
+            new_rows = [] if self.paused else self._take()
+            if not new_rows and not stepping:
+                self._work.clear()
+                if self.paused and self._queue:
+                    await self._admitting.wait()
+                continue
+            self._between.clear()
+            t0 = time.perf_counter()
+            try:
+                finished = await loop.run_in_executor(self.executor, self.engine.step, new_rows)
+            except Exception as exc:  # a failed step answers every request in the engine with the error
+                self._fail_engine(exc)
+                continue
+            finally:
+                self._between.set()
+            self.stats.busy_s += time.perf_counter() - t0
+            self.stats.batches += 1
+            running = self.engine.running
+            self.stats.max_requests_per_batch = max(self.stats.max_requests_per_batch, self.in_flight)
+            self.stats.max_adapters_per_batch = max(self.stats.max_adapters_per_batch,
+                                                    len({r.adapter for r in running}))
+            for row in finished:
+                self._finished(row)
+            if self.engine.busy or self._queue:
+                self._work.set()
+
+    def _take(self) -> list[Any]:
+        """Rows of whole requests while the engine has free rows; expired requests are failed."""
+        rows: list[Any] = []
+        now = time.monotonic()
+        room = self.max_batch - self.engine.rows_in_flight
+        while self._queue and room > 0:
+            job = self._queue[0]
+            if job.future.done():
+                self._queue.popleft()
+                continue
+            if now - job.enqueued_at > self.request_timeout_s:
+                self._queue.popleft()
+                self.stats.expired += 1
+                job.future.set_exception(RequestExpired(
+                    f"request waited {now - job.enqueued_at:.1f}s in the queue (limit {self.request_timeout_s}s)"))
+                continue
+            self._queue.popleft()
+            key = id(job)
+            self._jobs[key] = RowJob(job, [None] * len(job.prompts), len(job.prompts))
+            try:
+                rows += [self.engine.row(p, job.params, job.adapter, handle=(key, i)) for i, p in enumerate(job.prompts)]
+            except ValueError as exc:
+                del self._jobs[key]
+                job.future.set_exception(exc)
+                continue
+            self.in_flight += 1
+            self._idle.clear()
+            room -= len(job.prompts)
+        return rows
+
+    def _finished(self, row: Any) -> None:
+        key, i = row.handle
+        rj = self._jobs.get(key)
+        if rj is None:
+            return
+        rj.results[i] = row.result()
+        rj.remaining -= 1
+        if rj.remaining:
+            return
+        del self._jobs[key]
+        results = [r for r in rj.results if r is not None]
+        versions = {v for r in results for v in r.versions}
+        version = min(versions) if versions else self.engine.version
+        if len(versions) > 1:
+            self.mixed_answers += 1
+        self.stats.requests += 1
+        self.stats.rows += len(results)
+        self.stats.tokens += sum(len(r.ids) for r in results)
+        self._answered()
+        if not rj.job.future.done():
+            rj.job.future.set_result((version, results))
+
+    def _answered(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self._idle.set()
+
+    def _fail_engine(self, exc: BaseException) -> None:
+        self.engine.reset()
+        for rj in self._jobs.values():
+            self._answered()
+            if not rj.job.future.done():
+                rj.job.future.set_exception(exc)
+        self._jobs.clear()
+
+    def snapshot(self) -> dict[str, Any]:
+        s = self.stats
+        e = self.engine
+        return {
+            "in_flight": self.in_flight, "queued": self.queued, "paused": self.paused, "engine": "continuous",
+            "on_sync": self.on_sync, "rows_running": len(e.running), "rows_waiting": len(e.waiting),
+            "steps": s.batches, "requests": s.requests, "rows_generated": s.rows, "tokens": s.tokens,
+            "tokens_per_s": round(s.tokens_per_s, 1), "max_requests_in_flight": s.max_requests_per_batch,
+            "max_adapters_per_batch": s.max_adapters_per_batch, "expired": s.expired, "busy_s": round(s.busy_s, 4),
+            "interrupted_syncs": self.interrupted, "mixed_version_answers": self.mixed_answers,
+            **{f"engine_{k}": v for k, v in e.stats.items()},
         }

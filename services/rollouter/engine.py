@@ -43,6 +43,7 @@ class GenResult:
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish: Finish = "length"
+    versions: list[int] = field(default_factory=list)  # weight version that sampled each token
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = ByteTokenizer.pad_id) -> tuple[torch.Tensor, torch.Tensor]:
@@ -215,6 +216,8 @@ class TorchEngine:
             step_input = torch.where(done, torch.full_like(token, tok.pad_id), token)[:, None]
             step_pos = step_pos[:, -1:] + 1
             mask = torch.cat([mask, torch.ones((n, 1), dtype=mask.dtype)], dim=-1)
+        for r in results:
+            r.versions = [self.version] * len(r.ids)
         self.rows_generated += n
         self.tokens_generated += sum(len(r.ids) for r in results)
         return results

@@ -25,7 +25,8 @@ import nats.js.errors
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from services.rollouter.batcher import Batcher
+from services.rollouter.batcher import Batcher, ContinuousBatcher
+from services.rollouter.continuous import ContinuousEngine, make_engine, support_problem
 from services.rollouter.engine import SamplingParams, TorchEngine, UnknownAdapter
 from shared.bus import kv_get_int
 from shared.codec import DecodeError, decode, encode
@@ -54,7 +55,7 @@ class BadRequest(ValueError):
     """A GenRequest that decodes but cannot be served."""
 
 
-def request_prompts(req: GenRequest, engine: TorchEngine) -> list[list[int]]:
+def request_prompts(req: GenRequest, engine: TorchEngine | ContinuousEngine) -> list[list[int]]:
     """Validate a request's adapter and prompts (non-empty 1-d integer arrays of known token ids) into lists."""
     try:
         engine.check_adapter(req.adapter)
@@ -79,7 +80,7 @@ def request_prompts(req: GenRequest, engine: TorchEngine) -> list[list[int]]:
     return out
 
 
-def load_weights(engine: TorchEngine, model: str, header: WeightsHeader, body: memoryview, *, version: int | None,
+def load_weights(engine: TorchEngine | ContinuousEngine, model: str, header: WeightsHeader, body: memoryview, *, version: int | None,
                  checksum: str | None) -> str:
     """Check a fetched version bucket by bucket and load it into the engine in place (engine thread).
 
@@ -121,10 +122,23 @@ class RollouterService(Service):
         net, tok = await loop.run_in_executor(self._executor, _load, self.cfg, self.model)
         seed = int.from_bytes(hashlib.sha256(f"{self.cfg.run.seed}:{self.model}:{self.instance}".encode())
                               .digest()[:4], "little")
-        self.engine = TorchEngine(net, tok, seed=seed, max_batch=rc.max_batch)
-        self.log.info("model loaded", adapters=list(self.engine.adapters), vocab_size=self.engine.vocab_size)
-        self.batcher = Batcher(self.engine, self._executor, max_batch=rc.max_batch,
-                               window_s=rc.batch_window_ms / 1000.0, request_timeout_s=rc.request_timeout_s)
+        if rc.engine == "continuous" and (why := support_problem(net)) is not None:
+            self.counters["static_fallback"] += 1
+            self.log.warning("continuous batching is not available for this model; batching statically",
+                             reason=why)
+        self.engine = make_engine(net, tok, kind=rc.engine, seed=seed, max_batch=rc.max_batch,
+                                  max_tokens=rc.max_tokens)
+        self.batcher: Batcher | ContinuousBatcher
+        if isinstance(self.engine, ContinuousEngine):
+            self.batcher = ContinuousBatcher(self.engine, self._executor, max_batch=rc.max_batch,
+                                             request_timeout_s=rc.request_timeout_s, on_sync=rc.on_sync)
+        else:
+            if rc.on_sync == "interrupt":
+                self.log.warning("on_sync interrupt needs the continuous engine; syncs drain")
+            self.batcher = Batcher(self.engine, self._executor, max_batch=rc.max_batch,
+                                   window_s=rc.batch_window_ms / 1000.0, request_timeout_s=rc.request_timeout_s)
+        self.log.info("model loaded", adapters=list(self.engine.adapters), vocab_size=self.engine.vocab_size,
+                      engine=type(self.engine).__name__, on_sync=getattr(self.batcher, "on_sync", "drain"))
         self.checksum: str | None = None
         self._replies: set[asyncio.Task[None]] = set()
         self._sinks: dict[str, WeightSink] = {}
@@ -269,7 +283,9 @@ class RollouterService(Service):
                                error=f"{type(exc).__name__}: {exc}")
         else:
             outputs = [GenOutput(ids=Array.of(r.ids, "int32"), logprobs=Array.of(r.logprobs, "float32"),
-                                 finish=r.finish) for r in results]
+                                 finish=r.finish,
+                                 versions=(Array.of(r.versions, "int32") if len(set(r.versions)) > 1 else None))
+                       for r in results]
             resp = GenResponse(request_id=request_id, outputs=outputs, version=version, instance=self.instance)
         if msg.reply:
             await msg.respond(encode(resp))
@@ -388,7 +404,7 @@ class RollouterService(Service):
         header, body = await sink.fetch(version, object_name=object_name, timeout_s=timeout_s)
         model = self.model
         try:
-            digest = await self.batcher.exclusive(
+            digest = await self.batcher.load(
                 lambda: load_weights(self.engine, model, header, body, version=version, checksum=checksum))
         except Exception:
             sink.discard_staging()

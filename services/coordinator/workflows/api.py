@@ -46,12 +46,13 @@ class GenResult:
     ids: list[int]
     logprobs: list[float]
     finished: bool  # stopped on EOS (not by the length limit)
-    version: int
+    version: int  # of the oldest token
     seconds: float = 0.0
     text: str = ""  # the decoded response (set by the context)
     prompt_ids: list[int] = field(default_factory=list)
     agent: str = ""
     gen_id: int = -1  # index among this rollout's generations; a turn names it in metadata["gen_id"]
+    token_versions: list[int] | None = None  # per id, when a sync interrupted the row (else all ``version``)
 
 
 class Generate(Protocol):

@@ -233,6 +233,7 @@ def make_sample(cfg: ChorusConfig, task: Task, env_idx: int, agent: str, turn: i
         group_key=f"{task.task_id}:{agent}:{turn}",
         group_size=cfg.workflow.group_size,
         version=row.version,
+        token_versions=None if row.token_versions is None else Array.of(row.token_versions, "int32"),
         versions=snapshot,
         timings={"gen_s": row.seconds, "episode_s": seconds},
     )

@@ -1,0 +1,529 @@
+"""Continuous batching for a Llama-family causal LM: rows join and leave the running batch at every decode step.
+
+Knows nothing of NATS or asyncio: the rollouter's batcher calls :meth:`ContinuousEngine.step` on its worker
+thread, handing it new rows, and gets back the rows that finished. :meth:`ContinuousEngine.generate` runs a
+whole queue of requests to the end (tests, benchmarks).
+
+- **KV pool.** Each running row owns one slot of a preallocated per-layer key/value pool
+  ``[rows, kv_heads, length, head_dim]``; the running rows occupy slots ``0..B-1`` (a leaving row's slot is
+  filled by moving another row into it), so a decode step attends over a view of the pool, never a copy.
+  Rows are kept grouped by LoRA adapter in slot order, so every adapter's rows are one contiguous slice and a
+  LoRA projection adds ``B·A·x`` on slices, with no gather per module. The pool grows (rows and length) on
+  demand up to ``max_batch`` rows; ``max_tokens`` bounds the KV reserved by the rows in flight
+  (prompt + ``max_new_tokens`` each).
+- **Prefill once.** Rows waiting to start with the same adapter and prompt (a GRPO group's copies) share one
+  prefill, whose KV is copied into each row's slot. A prefix cache keeps the KV of recent prompts: a prompt
+  that starts like a cached one (a shared system prompt) prefills only what follows the common prefix.
+- **Logits only where a token is sampled:** the LM head runs on the last position of a prefill and on the one
+  new position of each decoding row.
+- **Versions.** Every token records the weight version that sampled it. When the weights change in place
+  (a sync in ``interrupt`` mode), every running row's KV is recomputed under the new weights before its next
+  token (a prefill of its prompt and the tokens it has so far), so each token's log-prob is exactly that of
+  the weights named by its version.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from services.rollouter.engine import BASE_ADAPTER, GenResult, SamplingParams, behaviour_logprobs, peft_adapters, \
+    tail_has_stop
+from shared.models import Tokenizer, context_length, shipped_tensors
+from shared.tokenizer import ByteTokenizer
+
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+LENGTH_STEP = 64  # the pool's length grows in multiples of this
+PREFIX_ENTRIES = 32  # prompts kept in the prefix cache
+
+
+class Unsupported(ValueError):
+    """The network is not one this engine computes itself (the static engine serves it)."""
+
+
+def support_problem(model: torch.nn.Module) -> str | None:
+    """Why :class:`ContinuousEngine` cannot run ``model``, or None when it can."""
+    inner = _inner(model)
+    cfg = getattr(inner, "config", None)
+    kind = getattr(cfg, "model_type", None)
+    if kind not in SUPPORTED:
+        return f"model type {kind!r} is not one of {list(SUPPORTED)}"
+    if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", kind != "qwen2"):
+        return "sliding-window attention is not supported"
+    for name, mod in inner.named_modules():
+        if _is_lora(mod) and getattr(mod, "lora_variant", None):
+            return f"{name}: LoRA variants (DoRA, ...) are not supported"
+    return None
+
+
+def _inner(model: torch.nn.Module) -> Any:
+    """The causal LM under a peft wrapper (or the model itself)."""
+    peft = sys.modules.get("peft")
+    if peft is not None and isinstance(model, peft.PeftModel):
+        return model.get_base_model()
+    return model
+
+
+def _is_lora(mod: torch.nn.Module) -> bool:
+    return hasattr(mod, "base_layer") and hasattr(mod, "lora_A") and hasattr(mod, "scaling")
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+@dataclass
+class Row:
+    """One generation in flight; ``handle`` is the caller's (the batcher's job and row index)."""
+
+    prompt: list[int]
+    params: SamplingParams
+    adapter: str | None
+    handle: Any = None
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish: str = "length"
+    kv_len: int = 0  # tokens whose keys/values are in the slot (all but the last sampled one)
+    kv_version: int | None = None  # weights the slot's KV was computed with; None before the first prefill
+    stop_ids: frozenset[int] = frozenset()
+    slot: int = -1
+    admitted_at: float = 0.0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.ids
+
+    @property
+    def reserve(self) -> int:
+        """KV positions this row may need: its prompt and every token it may generate."""
+        return len(self.prompt) + self.params.max_new_tokens
+
+    def result(self) -> GenResult:
+        return GenResult(ids=self.ids, logprobs=self.logprobs, finish=self.finish,  # type: ignore[arg-type]
+                         versions=self.versions)
+
+
+class ContinuousEngine:
+    """A persistent continuous-batching engine around one Llama-family causal LM (optionally peft LoRA)."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Tokenizer | None = None, *, version: int = 0,
+                 seed: int = 0, max_batch: int = 64, max_tokens: int = 0,
+                 prefix_entries: int = PREFIX_ENTRIES) -> None:
+        why = support_problem(model)
+        if why is not None:
+            raise Unsupported(why)
+        self.model = model.eval()
+        self.inner = _inner(model)
+        self.tokenizer: Tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()  # type: ignore[assignment]
+        self.adapters = peft_adapters(model)
+        self.lora = bool(self.adapters)
+        self.version = version
+        self.max_batch = max_batch
+        self.generator = torch.Generator().manual_seed(seed)
+        self.rows_generated = 0
+        self.tokens_generated = 0
+        lm = self.inner
+        self.body = lm.model
+        self.layers = list(self.body.layers)
+        self.lm_head = lm.get_output_embeddings()
+        self.vocab_size = int(self.lm_head.weight.shape[0])
+        self.context = context_length(lm)
+        cfg = lm.config
+        self.n_heads = int(cfg.num_attention_heads)
+        self.n_kv = int(getattr(cfg, "num_key_value_heads", None) or self.n_heads)
+        self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads)
+        self.max_tokens = max_tokens or max_batch * (self.context or 4096)
+        param = next(lm.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        for what, tid in (("eos_id", self.tokenizer.eos_id), ("pad_id", self.tokenizer.pad_id)):
+            if not 0 <= tid < self.vocab_size:
+                raise ValueError(f"tokenizer {what} {tid} is outside the model's vocabulary [0, {self.vocab_size})")
+        self._order = {a: i for i, a in enumerate((None, *self.adapters))}  # slot order of the adapter groups
+        self.waiting: deque[Row] = deque()
+        self.running: list[Row] = []  # by slot
+        self.reserved = 0
+        self._k: list[torch.Tensor] = []
+        self._v: list[torch.Tensor] = []
+        self._cap_rows = 0
+        self._cap_len = 0
+        self._prefix: OrderedDict[tuple[str | None, tuple[int, ...]], tuple[int, list[torch.Tensor],
+                                                                            list[torch.Tensor]]] = OrderedDict()
+        self.prefix_entries = prefix_entries
+        self.stats = {"steps": 0, "prefills": 0, "prefill_tokens": 0, "shared_prefills": 0, "prefix_hits": 0,
+                      "prefix_tokens_saved": 0, "reprefills": 0, "decode_row_steps": 0}
+
+    # --- the API the batcher uses -------------------------------------------------------------
+    def named_tensors(self) -> dict[str, torch.Tensor]:
+        return shipped_tensors(self.model, lora=self.lora)
+
+    def check_adapter(self, adapter: str | None) -> None:
+        from services.rollouter.engine import UnknownAdapter
+
+        if adapter is None or adapter in self.adapters:
+            return
+        if not self.lora:
+            raise UnknownAdapter(f"adapter {adapter!r} requested, but this model has no LoRA adapters "
+                                 "(send adapter None, or add a `lora` section and an agent naming it)")
+        raise UnknownAdapter(f"adapter {adapter!r} is not one of this model's adapters {list(self.adapters)}")
+
+    def check_fits(self, prompt_len: int, params: SamplingParams) -> None:
+        """Raise ValueError if one row of this shape could never be admitted (over the KV budget or context)."""
+        need = prompt_len + params.max_new_tokens
+        if need > self.max_tokens:
+            raise ValueError(f"a row of {prompt_len} prompt + {params.max_new_tokens} new tokens needs {need} KV "
+                             f"positions, more than the rollouter's budget rollouter.max_tokens={self.max_tokens}")
+        if prompt_len == 0:
+            raise ValueError("every prompt needs at least one token")
+
+    def row(self, prompt: Sequence[int], params: SamplingParams, adapter: str | None = None,
+            handle: Any = None) -> Row:
+        """A row ready to hand to :meth:`step` (checked: adapter, budget)."""
+        self.check_adapter(adapter)
+        self.check_fits(len(prompt), params)
+        stops = {int(s) for s in params.stop_ids}
+        if not params.ignore_eos:
+            stops.add(self.tokenizer.eos_id)
+        return Row(list(prompt), params, adapter, handle, stop_ids=frozenset(stops))
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    @property
+    def rows_in_flight(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams],
+                 adapters: Sequence[str | None] | None = None) -> list[GenResult]:
+        """Queue every prompt and step until all are done; results in the order of ``prompts``."""
+        if len(prompts) != len(params):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling settings")
+        names: Sequence[str | None] = [None] * len(prompts) if adapters is None else adapters
+        if len(names) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(names)} adapters")
+        rows = [self.row(p, s, a, handle=i) for i, (p, s, a) in enumerate(zip(prompts, params, names, strict=True))]
+        out: list[GenResult | None] = [None] * len(rows)
+        pending: list[Row] = rows
+        while pending or self.busy:
+            for r in self.step(pending):
+                out[r.handle] = r.result()
+            pending = []
+        return [r if r is not None else GenResult() for r in out]
+
+    @torch.inference_mode()
+    def step(self, new_rows: Iterable[Row] = ()) -> list[Row]:
+        """Admit what fits (FIFO), prefill rows that need it, decode one token for every running row.
+
+        Returns the rows that finished in this step (their slots are free again).
+        """
+        self.waiting.extend(new_rows)
+        self._admit()
+        finished: list[Row] = []
+        stale = [r for r in self.running if r.kv_version != self.version]
+        if stale:
+            finished += self._prefill(stale)
+        if self.running:
+            finished += self._decode()
+        self.stats["steps"] += 1
+        return finished
+
+    def reset(self) -> list[Row]:
+        """Drop every row (waiting and running); returns them (their callers are told by the batcher)."""
+        rows = list(self.waiting) + list(self.running)
+        self.waiting.clear()
+        self.running = []
+        self.reserved = 0
+        return rows
+
+    # --- admission and slots ------------------------------------------------------------------
+    def _admit(self) -> None:
+        now = time.monotonic()
+        while self.waiting and len(self.running) < self.max_batch:
+            row = self.waiting[0]
+            if self.running and self.reserved + row.reserve > self.max_tokens:
+                break  # FIFO: nothing overtakes the head of the queue, so a long row never starves
+            self.waiting.popleft()
+            self.reserved += row.reserve
+            row.admitted_at = now
+            self._ensure(len(self.running) + 1, row.reserve)
+            self._insert(row)
+
+    def _ensure(self, rows: int, length: int) -> None:
+        """Grow the pool to at least ``rows`` slots of ``length`` positions (copying what is there)."""
+        length = min(length, self.context) if self.context else length
+        if rows <= self._cap_rows and length <= self._cap_len:
+            return
+        new_rows = max(self._cap_rows, min(self.max_batch, max(rows, 2 * self._cap_rows, 1)))
+        new_len = max(self._cap_len, -(-length // LENGTH_STEP) * LENGTH_STEP)
+        shape = (new_rows, self.n_kv, new_len, self.head_dim)
+        ks, vs = [], []
+        for i in range(len(self.layers)):
+            k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            if self._k:
+                n = len(self.running)
+                k[:n, :, : self._cap_len] = self._k[i][:n]
+                v[:n, :, : self._cap_len] = self._v[i][:n]
+            ks.append(k)
+            vs.append(v)
+        self._k, self._v = ks, vs
+        self._cap_rows, self._cap_len = new_rows, new_len
+
+    def _move(self, src: int, dst: int) -> None:
+        """Move the row in slot ``src`` (with its KV) to slot ``dst``."""
+        row = self.running[src]
+        n = row.kv_len
+        if n:
+            for k, v in zip(self._k, self._v, strict=True):
+                k[dst, :, :n] = k[src, :, :n]
+                v[dst, :, :n] = v[src, :, :n]
+        self.running[dst] = row
+        row.slot = dst
+
+    def _group_bounds(self) -> list[tuple[str | None, int, int]]:
+        """(adapter, first slot, end slot) of each adapter's contiguous run of rows."""
+        out: list[tuple[str | None, int, int]] = []
+        for i, r in enumerate(self.running):
+            if out and out[-1][0] == r.adapter:
+                out[-1] = (r.adapter, out[-1][1], i + 1)
+            else:
+                out.append((r.adapter, i, i + 1))
+        return out
+
+    def _insert(self, row: Row) -> None:
+        """Give ``row`` the slot at the end of its adapter's group: each later group shifts right by one, moving
+        its first row to the slot after its last."""
+        key = self._order[row.adapter]
+        bounds = self._group_bounds()
+        self.running.append(row)
+        hole = len(self.running) - 1
+        for adapter, start, _end in reversed(bounds):
+            if self._order[adapter] <= key:
+                break
+            self._move(start, hole)
+            hole = start
+        self.running[hole] = row
+        row.slot = hole
+
+    def _remove(self, row: Row) -> None:
+        """Free ``row``'s slot, keeping slots 0..B-1 full and groups contiguous (one move per later group)."""
+        hole = row.slot
+        bounds = self._group_bounds()
+        for adapter, start, end in bounds:
+            if end <= hole:
+                continue
+            last = end - 1
+            if last != hole:
+                self._move(last, hole)
+            hole = last
+        self.running.pop()
+        assert hole == len(self.running), (hole, len(self.running))
+        self.reserved -= row.reserve
+        row.slot = -1
+
+    # --- the network --------------------------------------------------------------------------
+    def _proj(self, mod: torch.nn.Module, x: torch.Tensor, groups: Sequence[tuple[str | None, int, int]]) -> torch.Tensor:
+        """``mod(x)`` for rows (tokens) grouped by adapter: the base once, each adapter's delta on its slice."""
+        if not _is_lora(mod):
+            return mod(x)
+        y = mod.base_layer(x)
+        for adapter, s, e in groups:
+            if adapter is None or adapter not in mod.lora_A or getattr(mod, "disable_adapters", False):
+                continue
+            xs = x[s:e]
+            y[s:e] += mod.lora_B[adapter](mod.lora_A[adapter](xs.to(mod.lora_A[adapter].weight.dtype))).to(y.dtype) \
+                * mod.scaling[adapter]
+        return y
+
+    def _run(self, ids: torch.Tensor, positions: torch.Tensor, groups: Sequence[tuple[str | None, int, int]],
+             attend: Any) -> torch.Tensor:
+        """The decoder over flat tokens ``ids`` [T] at ``positions`` [T]; returns the final-norm hidden states [T, H].
+
+        ``attend(layer, q, k, v)`` writes k/v [T, kv, D] into the pool and returns attention outputs [T, heads, D].
+        """
+        h = self.body.embed_tokens(ids)
+        cos, sin = self.body.rotary_emb(h[None], positions[None])
+        cos, sin = cos[0][:, None, :], sin[0][:, None, :]
+        t = ids.shape[0]
+        for li, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = self._proj(attn.q_proj, x, groups).view(t, -1, self.head_dim)
+            k = self._proj(attn.k_proj, x, groups).view(t, -1, self.head_dim)
+            v = self._proj(attn.v_proj, x, groups).view(t, -1, self.head_dim)
+            if hasattr(attn, "q_norm"):
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            o = attend(li, q, k, v).reshape(t, -1)
+            h = h + self._proj(attn.o_proj, o, groups)
+            x = layer.post_attention_layernorm(h)
+            mlp = layer.mlp
+            gate = self._proj(mlp.gate_proj, x, groups)
+            up = self._proj(mlp.up_proj, x, groups)
+            h = h + self._proj(mlp.down_proj, mlp.act_fn(gate) * up, groups)
+        return self.body.norm(h)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    # --- prefill ------------------------------------------------------------------------------
+    def _prefill(self, rows: Sequence[Row]) -> list[Row]:
+        """Compute the KV of each row's tokens (once per distinct adapter + tokens) and sample its next token."""
+        by_key: dict[tuple[str | None, tuple[int, ...]], list[Row]] = {}
+        for r in rows:
+            if r.kv_version is not None:
+                self.stats["reprefills"] += 1
+            by_key.setdefault((r.adapter, tuple(r.tokens)), []).append(r)
+        if any(v != self.version for v, _, _ in self._prefix.values()):
+            self._prefix.clear()  # KV of other weights
+        logits_rows: list[torch.Tensor] = []
+        order: list[Row] = []
+        for (adapter, tokens), group in by_key.items():
+            first = group[0]
+            last_hidden = self._prefill_one(first, adapter, tokens)
+            for other in group[1:]:
+                n = len(tokens)
+                for k, v in zip(self._k, self._v, strict=True):
+                    k[other.slot, :, :n] = k[first.slot, :, :n]
+                    v[other.slot, :, :n] = v[first.slot, :, :n]
+                self.stats["shared_prefills"] += 1
+            for r in group:
+                r.kv_len = len(tokens)
+                r.kv_version = self.version
+            logits = self._logits(last_hidden)
+            for r in group:
+                logits_rows.append(logits)
+                order.append(r)
+        return self._sample(order, torch.stack(logits_rows))
+
+    def _prefill_one(self, row: Row, adapter: str | None, tokens: tuple[int, ...]) -> torch.Tensor:
+        """Prefill ``tokens`` into ``row``'s slot, reusing the longest cached prefix; the last position's hidden state."""
+        n = len(tokens)
+        slot = row.slot
+        start = 0
+        hit = None
+        for key, (version, ks, vs) in self._prefix.items():
+            if key[0] != adapter:
+                continue
+            cached = key[1]
+            m = 0
+            limit = min(len(cached), n - 1)
+            while m < limit and cached[m] == tokens[m]:
+                m += 1
+            if m > start:
+                start, hit = m, (key, ks, vs)
+        if hit is not None:
+            key, ks, vs = hit
+            self._prefix.move_to_end(key)
+            for k, v, ck, cv in zip(self._k, self._v, ks, vs, strict=True):
+                k[slot, :, :start] = ck[:, :start]
+                v[slot, :, :start] = cv[:, :start]
+            self.stats["prefix_hits"] += 1
+            self.stats["prefix_tokens_saved"] += start
+        new = n - start
+        ids = torch.tensor(tokens[start:], dtype=torch.long, device=self.device)
+        positions = torch.arange(start, n, device=self.device)
+        if start:
+            mask = (torch.arange(n, device=self.device)[None, :] <= positions[:, None])[None, None]
+        else:
+            mask = None
+
+        def attend(li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            kp, vp = self._k[li], self._v[li]
+            kp[slot, :, start:n] = k.transpose(0, 1)
+            vp[slot, :, start:n] = v.transpose(0, 1)
+            out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kp[slot : slot + 1, :, :n],
+                                                 vp[slot : slot + 1, :, :n], attn_mask=mask,
+                                                 is_causal=mask is None, enable_gqa=self.n_kv != self.n_heads)
+            return out[0].transpose(0, 1)
+
+        hidden = self._run(ids, positions, [(adapter, 0, new)], attend)
+        self.stats["prefills"] += 1
+        self.stats["prefill_tokens"] += new
+        if self.prefix_entries:
+            key = (adapter, tokens)
+            self._prefix[key] = (self.version, [k[slot, :, :n].clone() for k in self._k],
+                                 [v[slot, :, :n].clone() for v in self._v])
+            self._prefix.move_to_end(key)
+            while len(self._prefix) > self.prefix_entries:
+                self._prefix.popitem(last=False)
+        return hidden[-1]
+
+    # --- decode -------------------------------------------------------------------------------
+    def _decode(self) -> list[Row]:
+        rows = self.running
+        b = len(rows)
+        ids = torch.tensor([r.ids[-1] for r in rows], dtype=torch.long, device=self.device)
+        pos = torch.tensor([r.kv_len for r in rows], dtype=torch.long, device=self.device)
+        width = int(pos.max()) + 1
+        mask = (torch.arange(width, device=self.device)[None, :] <= pos[:, None])[:, None, None, :]
+        slots = torch.arange(b, device=self.device)
+        gqa = self.n_kv != self.n_heads
+
+        def attend(li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            kp, vp = self._k[li], self._v[li]
+            kp[slots, :, pos] = k
+            vp[slots, :, pos] = v
+            out = F.scaled_dot_product_attention(q[:, :, None, :], kp[:b, :, :width], vp[:b, :, :width],
+                                                 attn_mask=mask, enable_gqa=gqa)
+            return out[:, :, 0, :]
+
+        hidden = self._run(ids, pos, self._group_bounds(), attend)
+        for r in rows:
+            r.kv_len += 1
+        self.stats["decode_row_steps"] += b
+        return self._sample(list(rows), self._logits(hidden))
+
+    def _sample(self, rows: Sequence[Row], logits: torch.Tensor) -> list[Row]:
+        """Sample one token per row from ``logits`` [n, V], record it, and retire the rows that end."""
+        temperature = torch.tensor([r.params.temperature for r in rows], dtype=torch.float32, device=logits.device)
+        top_p = torch.tensor([r.params.top_p for r in rows], dtype=torch.float32, device=logits.device)
+        greedy = temperature <= 0
+        logp = behaviour_logprobs(logits, temperature, top_p)
+        if bool(greedy.all()):
+            token = logits.argmax(-1)
+        else:
+            sampled = torch.multinomial(logp.exp().cpu(), 1, generator=self.generator).squeeze(-1).to(logits.device)
+            token = torch.where(greedy, logits.argmax(-1), sampled)
+        token_logp = logp.gather(-1, token[:, None]).squeeze(-1)
+        tokens, lps = token.tolist(), token_logp.tolist()
+        done: list[Row] = []
+        tok = self.tokenizer
+        for r, t, lp in zip(rows, tokens, lps, strict=True):
+            r.ids.append(t)
+            r.logprobs.append(lp)
+            r.versions.append(self.version)
+            if t in r.stop_ids or (r.params.stop and tail_has_stop(tok, r.ids, r.params.stop)):
+                r.finish = "stop"
+                done.append(r)
+            elif len(r.ids) >= r.params.max_new_tokens or (self.context and len(r.prompt) + len(r.ids) >= self.context):
+                r.finish = "length"
+                done.append(r)
+        for r in done:
+            self._remove(r)
+            self.rows_generated += 1
+            self.tokens_generated += len(r.ids)
+        return done
+
+
+def make_engine(model: torch.nn.Module, tokenizer: Tokenizer | None, *, kind: str, **kw: Any) -> Any:
+    """A :class:`ContinuousEngine` when ``kind`` is continuous and the model is supported, else the static one."""
+    from services.rollouter.engine import TorchEngine
+
+    if kind == "continuous" and support_problem(model) is None:
+        return ContinuousEngine(model, tokenizer, **kw)
+    kw.pop("max_tokens", None)
+    return TorchEngine(model, tokenizer, **kw)
+
+
+__all__ = ["BASE_ADAPTER", "ContinuousEngine", "Row", "Unsupported", "make_engine", "support_problem"]

@@ -1,0 +1,191 @@
+"""The continuous-batching engine against generating each request alone (the static engine, batch of one)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from services.rollouter.continuous import ContinuousEngine, support_problem
+from services.rollouter.engine import SamplingParams, TorchEngine, behaviour_logprobs
+from shared.config import ChorusConfig
+from shared.models import load_model
+from shared.tokenizer import BOS_ID, ByteTokenizer
+
+TOK = ByteTokenizer()
+
+
+def config(lora: bool) -> ChorusConfig:
+    agents = ({"solver": {"model": "m", "adapter": "x"}, "verifier": {"model": "m", "adapter": "y"}} if lora
+              else {"solver": {"model": "m"}, "verifier": {"model": "m"}})
+    model: dict = {"arch": {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "intermediate_size": 128,
+                            "max_position": 256}}
+    if lora:
+        model["lora"] = {"r": 4}
+    return ChorusConfig(run={"id": "t"}, models={"m": model}, agents=agents)
+
+
+@pytest.fixture(scope="module")
+def lora_net() -> torch.nn.Module:
+    net = load_model(config(True), "m")
+    with torch.no_grad():  # adapters that really change the output
+        gen = torch.Generator().manual_seed(1)
+        for name, p in net.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    return net
+
+
+@pytest.fixture(scope="module")
+def net() -> torch.nn.Module:
+    return load_model(config(False), "m")
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[BOS_ID] + [rng.randrange(3, 250) for _ in range(rng.randrange(2, 30))] for _ in range(n)]
+
+
+def reference_logprobs(net: torch.nn.Module, prompt: list[int], ids: list[int], params: SamplingParams,
+                       adapter: str | None) -> torch.Tensor:
+    """Teacher-forced behaviour log-probs of ``ids`` after ``prompt``: one full forward of the HF model."""
+    seq = torch.tensor([prompt + ids])
+    kw = {"adapter_names": [adapter or "__base__"]} if adapter is not None or hasattr(net, "peft_config") else {}
+    with torch.inference_mode():
+        logits = net(input_ids=seq, **kw).logits[0, len(prompt) - 1 : -1].float()
+    n = logits.shape[0]
+    logp = behaviour_logprobs(logits, torch.full((n,), params.temperature), torch.full((n,), params.top_p))
+    return logp.gather(-1, torch.tensor(ids)[:, None]).squeeze(-1)
+
+
+def test_the_tiny_llama_and_its_lora_are_supported(net: torch.nn.Module, lora_net: torch.nn.Module) -> None:
+    assert support_problem(net) is None and support_problem(lora_net) is None
+
+
+def test_requests_joining_mid_flight_give_what_each_gives_alone(lora_net: torch.nn.Module) -> None:
+    """Different lengths, adapters and sampling settings, more rows than fit: rows join as others finish."""
+    ps = prompts(14)
+    ps[5] = list(ps[4])  # one prompt twice (shared prefill)
+    adapters = [None, "x", "y", "x", "y", None, "x", "y", None, "x", "y", "y", None, "x"]
+    settings = [SamplingParams(max_new_tokens=random.Random(i).randrange(1, 40), temperature=0.0,
+                               ignore_eos=True) for i in range(14)]
+    sampled = {3, 8, 11}  # rows sampled at a temperature, with a nucleus: their log-probs are checked
+    for i in sampled:
+        settings[i] = SamplingParams(max_new_tokens=25, temperature=0.8, top_p=0.9, ignore_eos=True)
+    engine = ContinuousEngine(lora_net, TOK, max_batch=4)
+    got = engine.generate(ps, settings, adapters)
+    alone = TorchEngine(lora_net, TOK, max_batch=1)
+    joined_late = 0
+    for i, (p, s, a, g) in enumerate(zip(ps, settings, adapters, got, strict=True)):
+        assert len(g.ids) == s.max_new_tokens and g.versions == [0] * len(g.ids) and g.finish == "length"
+        if i in sampled:
+            ref = reference_logprobs(lora_net, p, g.ids, s, a)
+            assert torch.allclose(torch.tensor(g.logprobs), ref, atol=1e-4), i
+            continue
+        want = alone.generate([p], [s], [a])[0]
+        assert g.ids == want.ids, f"row {i} (adapter {a}) differs from generating it alone"
+        assert torch.allclose(torch.tensor(g.logprobs), torch.tensor(want.logprobs), atol=1e-4)
+        joined_late += i >= 4
+    assert joined_late > 0
+    # the 14 rows ran 4 at a time, rows joining as others left: far fewer steps than one request at a time
+    assert engine.stats["steps"] < sum(s.max_new_tokens for s in settings)
+    assert engine.stats["shared_prefills"] + engine.stats["prefix_hits"] >= 1
+    assert not engine.busy and engine.reserved == 0
+
+
+def test_stop_ids_and_stop_strings_are_per_row(net: torch.nn.Module) -> None:
+    p = prompts(1, seed=3)[0]
+    free = ContinuousEngine(net, TOK, max_batch=4).generate([p], [SamplingParams(30, 0.0, ignore_eos=True)])[0]
+    stop_id = free.ids[6]
+    text = TOK.decode(free.ids)
+    settings = [SamplingParams(30, 0.0, ignore_eos=True),
+                SamplingParams(30, 0.0, stop_ids=(stop_id,), ignore_eos=True),
+                SamplingParams(30, 0.0, stop=(text[8:10],), ignore_eos=True)]
+    got = ContinuousEngine(net, TOK, max_batch=4).generate([p, p, p], settings)
+    assert got[0].ids == free.ids and got[0].finish == "length"
+    assert got[1].ids == free.ids[: free.ids.index(stop_id) + 1] and got[1].finish == "stop"
+    assert got[2].finish == "stop" and text[8:10] in TOK.decode(got[2].ids) and len(got[2].ids) < 30
+
+
+def test_a_group_shares_one_prefill_and_a_common_prefix_is_prefilled_once(net: torch.nn.Module) -> None:
+    system = prompts(1, seed=4)[0] + [33] * 20
+    questions = [system + [40 + i, 41, 42] for i in range(3)]
+    group = [questions[0]] * 8 + questions[1:]
+    settings = [SamplingParams(5, 0.0, ignore_eos=True)] * len(group)
+    engine = ContinuousEngine(net, TOK, max_batch=16)
+    got = engine.generate(group, settings)
+    assert engine.stats["shared_prefills"] == 7  # the 8 copies: one prefill, KV copied 7 times
+    assert engine.stats["prefix_hits"] == 2 and engine.stats["prefix_tokens_saved"] >= 2 * len(system)
+    alone = TorchEngine(net, TOK, max_batch=1)
+    for p, g in zip(group, got, strict=True):
+        assert g.ids == alone.generate([p], [settings[0]])[0].ids
+
+
+def test_slots_stay_contiguous_and_grouped_by_adapter(lora_net: torch.nn.Module) -> None:
+    engine = ContinuousEngine(lora_net, TOK, max_batch=6)
+    rng = random.Random(7)
+    order = {None: 0, "x": 1, "y": 2}
+    rows = [engine.row(p, SamplingParams(rng.randrange(1, 12), 0.0, ignore_eos=True), rng.choice([None, "x", "y"]),
+                       handle=i) for i, p in enumerate(prompts(30, seed=5))]
+    pending = rows
+    while pending or engine.busy:
+        engine.step(pending[:2])
+        pending = pending[2:]
+        running = engine.running
+        assert [r.slot for r in running] == list(range(len(running)))
+        keys = [order[r.adapter] for r in running]
+        assert keys == sorted(keys)
+        assert engine.reserved == sum(r.reserve for r in running)
+
+
+def test_the_kv_budget_bounds_rows_in_flight_in_fifo_order(net: torch.nn.Module) -> None:
+    ps = prompts(6, seed=9)
+    settings = [SamplingParams(20, 0.0, ignore_eos=True)] * 6
+    budget = max(len(p) for p in ps) * 2 + 40 + 1  # two rows at most
+    engine = ContinuousEngine(net, TOK, max_batch=8, max_tokens=budget)
+    rows = [engine.row(p, s, handle=i) for i, (p, s) in enumerate(zip(ps, settings, strict=True))]
+    started: list[int] = []
+    pending = rows
+    while pending or engine.busy:
+        engine.step(pending)
+        pending = []
+        assert engine.reserved <= budget and len(engine.running) <= 2
+        started += [r.handle for r in engine.running if r.handle not in started]
+    assert started == sorted(started)  # FIFO
+    with pytest.raises(ValueError, match="rollouter.max_tokens"):
+        engine.row(ps[0], SamplingParams(budget, 0.0))
+
+
+def test_weights_changed_mid_generation_reprefill_and_each_token_keeps_its_version(net: torch.nn.Module) -> None:
+    """Interrupt: rows pause at a step boundary, the weights change in place, the rows go on re-prefilled."""
+    ps = prompts(3, seed=11)
+    settings = [SamplingParams(24, 0.0, ignore_eos=True), SamplingParams(18, 1.0, ignore_eos=True),
+                SamplingParams(30, 0.7, top_p=0.8, ignore_eos=True)]
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    engine = ContinuousEngine(net, TOK, max_batch=4)
+    rows = [engine.row(p, s, handle=i) for i, (p, s) in enumerate(zip(ps, settings, strict=True))]
+    done = engine.step(rows)  # a row's first step: its prefill samples one token, the decode another
+    for _ in range(6):
+        done += engine.step()
+    assert not done and all(len(r.ids) == 8 for r in rows)
+    try:
+        with torch.no_grad():
+            for p in net.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        engine.version = 1
+        while engine.busy:
+            done += engine.step()
+        after = {k: v.clone() for k, v in net.state_dict().items()}
+        assert engine.stats["reprefills"] == 3
+        for r in rows:
+            assert r.versions == [0] * 8 + [1] * (len(r.ids) - 8)
+        # each token's log-prob is that of the weights it names (teacher-forced, full forward, per version)
+        for version, state in ((0, before), (1, after)):
+            net.load_state_dict(state)
+            for r in rows:
+                ref = reference_logprobs(net, r.prompt, r.ids, r.params, None)
+                mine = [i for i, v in enumerate(r.versions) if v == version]
+                assert torch.allclose(torch.tensor(r.logprobs)[mine], ref[mine], atol=1e-4), (version, r.handle)
+    finally:
+        net.load_state_dict(before)
