@@ -34,8 +34,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from services.rollouter.engine import BASE_ADAPTER, GenResult, SamplingParams, behaviour_logprobs, peft_adapters, \
-    tail_has_stop
+from services.rollouter.engine import (
+    BASE_ADAPTER,
+    GenResult,
+    SamplingParams,
+    behaviour_logprobs,
+    peft_adapters,
+    tail_has_stop,
+)
 from shared.models import Tokenizer, context_length, shipped_tensors
 from shared.tokenizer import ByteTokenizer
 
@@ -318,7 +324,7 @@ class ContinuousEngine:
         """Free ``row``'s slot, keeping slots 0..B-1 full and groups contiguous (one move per later group)."""
         hole = row.slot
         bounds = self._group_bounds()
-        for adapter, start, end in bounds:
+        for _adapter, _start, end in bounds:
             if end <= hole:
                 continue
             last = end - 1
@@ -412,7 +418,7 @@ class ContinuousEngine:
         slot = row.slot
         start = 0
         hit = None
-        for key, (version, ks, vs) in self._prefix.items():
+        for key, (_version, ks, vs) in self._prefix.items():
             if key[0] != adapter:
                 continue
             cached = key[1]

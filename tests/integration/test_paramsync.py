@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import random
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -15,8 +16,14 @@ import pytest
 import torch
 from nats.aio.client import Client as NATS
 
+from services.coordinator.tasks import make_task
+from services.coordinator.workflows.api import GenResult as CoordGen
+from services.coordinator.workflows.episode import make_sample
 from services.paramsync.service import ParamSyncService
+from services.rollouter.continuous import ContinuousEngine
+from services.rollouter.engine import behaviour_logprobs
 from services.rollouter.service import RollouterService
+from services.trainer.intake import SeenIds, filter_samples
 from shared.bus import kv_get_int
 from shared.codec import decode, encode
 from shared.config import ChorusConfig, load_config
@@ -321,3 +328,66 @@ async def test_a_rollouter_paused_by_a_paramsync_that_died_resumes_in_seconds(na
         rollouter.stop()
         await asyncio.wait_for(task, 30)
         await nc.close()
+
+
+async def test_a_sync_in_interrupt_mode_continues_rows_mid_generation_under_the_new_weights(
+        nats_url: str, run_id: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """rollouter.on_sync interrupt: a sync arrives while rows are mid-generation; they pause at a step boundary,
+    the new weights load in place, and they go on (re-prefilled). Each token carries the version that sampled it,
+    its log-prob is that version's, and the sample's staleness counts from its oldest token."""
+
+    cfg = write_config(tmp_path, run_id)
+    cfg.models[MODEL].rollouter.on_sync = "interrupt"
+    step = ContinuousEngine.step
+
+    def slow_step(self: ContinuousEngine, new_rows: object = ()) -> object:
+        time.sleep(0.02)  # room for a sync to arrive mid-generation
+        return step(self, new_rows)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ContinuousEngine, "step", slow_step)
+    async with running(cfg, nats_url, 1) as s:
+        r = s.rollouters[0]
+        assert r.batcher.on_sync == "interrupt"
+        prompts = [[BOS_ID, 49, 43, 49, 61], [BOS_ID, 50, 43, 51, 61, 32]]
+        req = GenRequest(request_id="long", prompts=[Array.of(p, "int32") for p in prompts], max_new_tokens=120,
+                         temperature=1.0, stop_ids=[])
+        reply = asyncio.ensure_future(s.nc.request(s.names.gen(MODEL), encode(req), timeout=60))
+        for _ in range(500):
+            if r.engine.running and min(len(row.ids) for row in r.engine.running) >= 10:
+                break
+            await asyncio.sleep(0.01)
+        v0 = {k: v.clone() for k, v in r.engine.named_tensors().items()}
+        done_sub = await s.nc.subscribe(s.names.sync_done(MODEL))
+        v1 = await publish_weights(s, version=1, delta=0.02)
+        done = decode(SyncDone, (await done_sub.next_msg(timeout=30)).data)
+        assert done.version == 1 and done.loaded == ["0"]
+        resp = decode(GenResponse, (await reply).data)
+    assert resp.error is None and resp.version == 0  # the oldest token's version
+    assert r.batcher.interrupted == 1 and r.batcher.mixed_answers == 1
+    net = load_model(cfg, MODEL)
+    for prompt, out in zip(prompts, resp.outputs, strict=True):
+        ids = out.ids.tolist()
+        assert out.versions is not None, "every row was mid-generation: its tokens carry both versions"
+        versions = out.versions.tolist()
+        first_v1 = versions.index(1)
+        assert len(ids) == 120 and 10 <= first_v1 < 120 and versions == [0] * first_v1 + [1] * (120 - first_v1)
+        # log-probs against a reference recomputation (teacher-forced full forward) with each version's weights
+        for version, weights in ((0, v0), (1, v1)):
+            with torch.no_grad():
+                for k, t in shipped_tensors(net, False).items():
+                    t.copy_(weights[k])
+                logits = net(input_ids=torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1]
+            n = logits.shape[0]
+            ref = behaviour_logprobs(logits, torch.ones(n), torch.ones(n)).gather(-1, torch.tensor(ids)[:, None])[:, 0]
+            mine = [i for i, v in enumerate(versions) if v == version]
+            assert torch.allclose(torch.tensor(out.logprobs.tolist())[mine], ref[mine], atol=1e-4), version
+        # the sample's version is its oldest token's: trained at v2 with max_staleness 1 it is stale (2 - 0 > 1),
+        # although most of its tokens are v1
+        row = CoordGen(ids=ids, logprobs=out.logprobs.tolist(), finished=False, version=resp.version,
+                       token_versions=versions, prompt_ids=prompt)
+        task = make_task(random.Random(0), cfg.task)
+        sample = make_sample(cfg, task, 0, "solver", 0, 0, 0, row, 1.0, {MODEL: 1}, 0.1)
+        assert sample.version == 0 and sample.token_versions is not None
+        assert sample.token_versions.tolist() == versions
+        assert len(filter_samples([sample], version=2, max_staleness=1, seen=SeenIds(8)).stale) == 1
+        assert len(filter_samples([sample], version=1, max_staleness=1, seen=SeenIds(8)).keep) == 1
