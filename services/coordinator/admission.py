@@ -1,5 +1,6 @@
-"""When the coordinator may start a new task: mq backpressure per model, the run's version budget, and in
-the on-policy modes (sync, microbatch) one global batch of samples per version."""
+"""When the coordinator may start a new task: mq backpressure per model, the run's version budget, in the
+on-policy modes (sync, microbatch) one global batch of samples per version, and in async mode AReaL's
+staleness capacity per model (:class:`Pacer`)."""
 
 from __future__ import annotations
 
@@ -100,6 +101,127 @@ class BatchGate:
             if got.get(m, 0) > 0:  # a task that lost its groups says nothing about the next one
                 self.expected[m] = float(got[m])
         self.in_flight -= 1
+
+
+@dataclass
+class _Paced:
+    """What the coordinator knows of one model's consumption: its latest mq depth report, and more."""
+
+    depth: int = 0  # samples in mq, the ready stream and the trainer's accumulation (not yet stepped on)
+    trained: int | None = None  # trainer version of the same report; None before the first report
+    at: float = 0.0  # when that report came (monotonic)
+    moved_at: float = 0.0  # when a report last showed a newer trainer version
+    step_s: float | None = None  # mean seconds between versions; None until one was seen
+    reports: int = 0
+    unreported: dict[int, int] = field(default_factory=dict)  # ``reports`` when tasks ended -> their samples
+
+
+@dataclass
+class Pacer:
+    """Admission of ``train.mode: async``: AReaL's staleness capacity per model, so that generation is paced
+    rather than generated and dropped as stale.
+
+    With ``B = global_batch``, ``s = max_staleness`` and ``v`` the version the model's rollouters serve::
+
+        capacity = (s + v + 1) * B - (trained * B + pending + running)
+
+    ``trained`` (the trainer's version) and ``pending`` (samples in mq, the ready stream and the trainer's
+    accumulation) come from one mq depth report, so ``trained * B + pending`` are the samples alive when it
+    was made; ``running`` are the expected samples of the tasks in flight plus the real samples of ended
+    tasks that no depth report counts yet. Unlike AReaL's ``accepted`` total, dropped samples (stale,
+    invalid, shed, filtered groups) leave ``pending`` and free their room, so drops never shrink capacity.
+
+    A task starts when every model it feeds has ``capacity >= expected`` samples, or could not step without
+    it (``pending + running < B``: no deadlock). Models that pace nothing: done ones (``done``), and, while
+    another model the task feeds still consumes, a stuck one (:meth:`stuck`).
+    """
+
+    models: list[str]
+    global_batch: int
+    max_staleness: int
+    expected: dict[str, float]  # samples one task gives each model; replaced by what tasks really give
+    stale_after_s: float  # a depth report older than this: the mq is gone
+    in_flight: int = 0
+    book: dict[str, _Paced] = field(default_factory=dict)
+    held_by: list[str] = field(default_factory=list)  # models that held back the last check
+
+    def __post_init__(self) -> None:
+        self.book = {m: _Paced() for m in self.models}
+
+    def on_report(self, model: str, depth: int, trained: int, now: float) -> None:
+        """An mq depth report: samples of ended tasks stop counting as running at the second report after."""
+        b = self.book.get(model)
+        if b is None:
+            return
+        if b.trained is None:
+            b.moved_at = now
+        elif trained > b.trained:
+            dt = now - b.moved_at
+            b.step_s = dt if b.step_s is None else 0.8 * b.step_s + 0.2 * dt
+            b.moved_at = now
+        b.depth, b.trained, b.at = depth, trained, now
+        b.reports += 1
+        b.unreported = {k: n for k, n in b.unreported.items() if b.reports < k + 2}
+
+    def started(self) -> None:
+        self.in_flight += 1
+
+    def finished(self, samples: Mapping[str, int] | None) -> None:
+        """A task ended with ``samples`` per model, about to be published (None: abandoned, gave nothing)."""
+        self.in_flight -= 1
+        for m, n in (samples or {}).items():
+            b = self.book.get(m)
+            if b is None or n <= 0:  # a task that lost its groups says nothing about the next one
+                continue
+            self.expected[m] = float(n)
+            if b.trained is not None:  # before its mq's first report, only the tasks in flight are counted
+                b.unreported[b.reports] = b.unreported.get(b.reports, 0) + n
+
+    def running(self, model: str) -> float:
+        """Samples of ``model`` generated or being generated that no depth report counts yet."""
+        return self.in_flight * self.expected[model] + sum(self.book[model].unreported.values())
+
+    def capacity(self, model: str, served: Mapping[str, int]) -> float:
+        """``(s + v + 1) * B - (trained * B + pending + running)`` for ``model`` (see the class)."""
+        b, v = self.book[model], served.get(model, 0)
+        trained = v if b.trained is None else b.trained  # before any report: nothing pending, weights current
+        s, batch = self.max_staleness, self.global_batch
+        return (s + v + 1) * batch - (trained * batch + b.depth + self.running(model))
+
+    def stuck(self, model: str, now: float) -> bool:
+        """The model stopped consuming: its mq's report is stale, or its trainer has a batch waiting and has made
+        no new version for longer than ``stale_after_s`` and four of its usual steps (a stopped trainer)."""
+        b = self.book[model]
+        if b.trained is None:
+            return False
+        if now - b.at > self.stale_after_s:
+            return True
+        return (b.step_s is not None and b.depth >= self.global_batch
+                and now - b.moved_at > max(self.stale_after_s, 4 * b.step_s))
+
+    def may_start(self, served: Mapping[str, int], done: Collection[str] = (), now: float = 0.0) -> bool:
+        """Whether a task may start now; ``done``: models that need no more samples (budget spent)."""
+        pacing = [m for m in self.models if m not in done and self.expected[m] > 0]
+        # A stuck model would hold back the others for good; if every model is stuck, generating is useless.
+        live = [m for m in pacing if not self.stuck(m, now)]
+        self.held_by = [m for m in (live or pacing) if not self.fits(m, served)]
+        return not self.held_by
+
+    def fits(self, model: str, served: Mapping[str, int]) -> bool:
+        """Room for one more task's samples, or too few samples on the way for the trainer to step without it."""
+        b = self.book[model]
+        return (self.capacity(model, served) >= self.expected[model]
+                or b.depth + self.running(model) < self.global_batch)
+
+    def snapshot(self, served: Mapping[str, int], now: float) -> dict[str, object]:
+        """Gauges for the coordinator's metrics."""
+        return {
+            "capacity": {m: round(self.capacity(m, served), 1) for m in self.models},
+            "pending": {m: self.book[m].depth for m in self.models},
+            "running": {m: round(self.running(m), 1) for m in self.models},
+            "held_by": list(self.held_by),
+            "stuck": [m for m in self.models if self.stuck(m, now)],
+        }
 
 
 def expected_samples(agent_models: Mapping[str, str], group_size: int, models: list[str]) -> dict[str, float]:

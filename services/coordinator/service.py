@@ -14,7 +14,7 @@ from typing import Any
 import nats.errors
 from nats.aio.msg import Msg
 
-from services.coordinator.admission import Admission, BatchGate, expected_samples
+from services.coordinator.admission import Admission, BatchGate, Pacer, expected_samples
 from services.coordinator.evaluation import evaluate
 from services.coordinator.failures import FailureLog, error_key, root_cause
 from services.coordinator.tasks import Task, TaskSource, heldout_tasks
@@ -85,12 +85,16 @@ class CoordinatorService(Service):
             await self.tokenizers.get(m)
         self.admission = Admission(self.models, cfg.train.max_versions,
                                    stale_after_s=max(5.0, 10 * cfg.mq.report_interval_s))
-        # sync / microbatch: one global batch of tasks per version; async: only backpressure.
+        # sync / microbatch: one global batch of tasks per version; async: AReaL's staleness capacity per model.
+        agent_models = {a: cfg.agents[a].model for a in wf.agents}
+        expected = expected_samples(agent_models, wf.group_size, self.models)
         self.gate: BatchGate | None = None
-        if cfg.train.mode != "async":
-            agent_models = {a: cfg.agents[a].model for a in wf.agents}
-            self.gate = BatchGate(self.models, cfg.train.global_batch,
-                                  expected_samples(agent_models, wf.group_size, self.models))
+        self.pacer: Pacer | None = None
+        if cfg.train.mode == "async":
+            self.pacer = Pacer(self.models, cfg.train.global_batch, cfg.train.max_staleness, expected,
+                               stale_after_s=self.admission.stale_after_s)
+        else:
+            self.gate = BatchGate(self.models, cfg.train.global_batch, expected)
         self.served: dict[str, int] = {}
         await self._poll_versions()
         # Same seed, same questions; the time-based prefix keeps ids unique across coordinator restarts
@@ -154,6 +158,7 @@ class CoordinatorService(Service):
             "backpressured": self.admission.blocked_by(now),
             "admitting": not self.admission.budget_spent and not self.stopping,
             "batches_opened": self.gate.batches if self.gate else None,
+            "pacing": self.pacer.snapshot(self.served, now) if self.pacer else None,
             "workflow_failures": self.failures.summary(),
         }
 
@@ -198,12 +203,15 @@ class CoordinatorService(Service):
         except DecodeError as exc:
             await self.to_dlq(msg.subject, msg.data, f"malformed DepthReport JSON: {exc}")
             return
-        self.admission.on_depth(report.model, report.depth, report.capacity, time.monotonic())
+        now = time.monotonic()
+        self.admission.on_depth(report.model, report.depth, report.capacity, now)
         self.admission.on_trained(report.model, report.trained_version)
+        if self.pacer is not None:
+            self.pacer.on_report(report.model, report.depth, report.trained_version, now)
 
     async def _wait_admitted(self) -> bool:
         """Wait until a new task may start; False when the service is stopping."""
-        waited = False
+        waited = paced = False
         while not self.stopping:
             if self.admission.budget_spent:
                 await asyncio.sleep(VERSION_POLL_S)  # idle until SIGTERM (or a restored budget)
@@ -213,16 +221,24 @@ class CoordinatorService(Service):
             if not waited:
                 waited = True
                 self.counters["backpressure_waits"] += 1
+            if not paced and self.pacer is not None and self.pacer.held_by:
+                paced = True
+                self.counters["tasks_paced"] += 1  # held back by the staleness capacity of some model
             await asyncio.sleep(POLL_S)
         return False
 
     def _admit(self) -> bool:
         """Start one task now? Counts it in the open batch when it may (no await between check and count)."""
-        if self.admission.saturated(time.monotonic()):
+        now = time.monotonic()
+        if self.admission.saturated(now):
             return False
-        if self.gate is None:
-            return True
         done = {m for m in self.models if self.admission.trained.get(m, 0) >= self.cfg.train.max_versions}
+        if self.pacer is not None:
+            if not self.pacer.may_start(self.served, done, now):
+                return False
+            self.pacer.started()
+            return True
+        assert self.gate is not None
         if not self.gate.may_start(self.served, done):
             return False
         self.gate.started()
@@ -293,6 +309,8 @@ class CoordinatorService(Service):
                 self.in_flight -= 1
                 if self.gate is not None:
                     self.gate.finished(None if ep is None else per_model(ep))
+                if self.pacer is not None:
+                    self.pacer.finished(None if ep is None else per_model(ep))
             consecutive = 0
             # Once started, a task's samples are published whole even if a drain cancels this loop.
             pub = asyncio.create_task(self._publish(ep))
@@ -417,7 +435,9 @@ class CoordinatorService(Service):
             seconds = time.monotonic() - t0
             self.counters["gen_requests"] += 1
             return [GenResult(ids=o.ids.tolist(), logprobs=o.logprobs.tolist(), finished=o.finish == "stop",
-                              version=resp.version, seconds=seconds) for o in resp.outputs]
+                              version=resp.version, seconds=seconds,
+                              token_versions=None if o.versions is None else o.versions.tolist())
+                    for o in resp.outputs]
         raise Abandon(f"generation for {model} failed after retries")
 
     async def _act(self, kind: str, payloads: list[dict[str, Any]]) -> list[dict[str, Any]]:

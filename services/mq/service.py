@@ -156,6 +156,16 @@ class MqService(Service):
             except nats.errors.Error as exc:
                 self.counters["stream_info_errors"] += 1
                 self.log.warning("ready stream info failed", error=f"{type(exc).__name__}: {exc}")
+            try:
+                # Read after the stream: the trainer sets its version before it acks the step's micro-batches, so
+                # a report never shows them gone without the version that consumed them (the coordinator paces
+                # by trained_version * global_batch + depth).
+                self.trained_version = max(
+                    self.trained_version, await kv_get_int(self.kv, self.names.trained_key(self.model))
+                )
+            except (nats.errors.Error, ValueError) as exc:
+                self.counters["kv_errors"] += 1
+                self.log.warning("reading trained version failed", error=f"{type(exc).__name__}: {exc}")
             report = DepthReport(
                 model=self.model, depth=self.depth(), capacity=self.cfg.mq_capacity,
                 trained_version=self.trained_version, dropped_stale=self.counters["dropped_stale"],

@@ -175,38 +175,50 @@ async def test_samples_of_both_agents_reach_their_models_streams(cluster: dict):
     assert set(snap["reward_ema"]) == {"solver", "verifier"} and 0.0 <= snap["final_correct_ema"] <= 1.0
 
 
-async def test_full_mqs_stop_new_tasks_until_a_backlog_drains(cluster: dict):
+async def test_full_mqs_stop_new_tasks_until_the_backlogs_drain(cluster: dict):
     names, nc, coord = cluster["names"], cluster["nc"], cluster["coord"]
     await drain(cluster["subs"]["solver_lm"], 2 * G)
     stop_reporting = asyncio.Event()
-    full = {m: encode_json(DepthReport(model=m, depth=64, capacity=64, trained_version=0))
-            for m in ("solver_lm", "verifier_lm")}
+    # trained version of each model's reports; the verifier's trainer steps until it is frozen
+    trained = {"solver_lm": 0, "verifier_lm": 0}
     reporting = {"verifier_lm"}
 
     async def report() -> None:
         while not stop_reporting.is_set():
             for m in sorted(reporting):
-                await nc.publish(names.depth(m), full[m])
+                await nc.publish(names.depth(m), encode_json(
+                    DepthReport(model=m, depth=64, capacity=64, trained_version=trained[m])))
             await asyncio.sleep(0.1)
+
+    async def until(cond, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not cond() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
 
     reporter = asyncio.create_task(report())
     try:
-        # One model full (a slow trainer): its mq sheds, the other model's training is not held back.
-        await asyncio.sleep(0.3)
+        # One model full while its trainer steps (a slow trainer): every task feeds it, so pacing holds back
+        # every task until it has room; tasks already in flight finish.
+        for v in range(1, 5):
+            await asyncio.sleep(0.25)
+            trained["verifier_lm"] = v
+        await until(lambda: coord.in_flight == 0, 10)
         started = coord.counters["tasks_started"]
-        for _ in range(100):
-            if coord.counters["tasks_started"] > started:
-                break
-            await asyncio.sleep(0.05)
+        await asyncio.sleep(1.0)
+        assert coord.counters["tasks_started"] == started
+        pacing = coord.metrics_snapshot()["pacing"]
+        assert pacing["held_by"] == ["verifier_lm"] and pacing["capacity"]["verifier_lm"] < 0, pacing
+        assert coord.counters["tasks_paced"] >= 1
+        # Its trainer makes no new version (stopped): after max(5 s, 4 steps) it paces no more, its mq sheds,
+        # and the other model's training is not held back.
+        await until(lambda: coord.counters["tasks_started"] > started, 10)
         assert coord.counters["tasks_started"] > started
-        assert coord.metrics_snapshot()["backpressured"] == ["verifier_lm"]
+        snap = coord.metrics_snapshot()
+        assert snap["pacing"]["stuck"] == ["verifier_lm"] and snap["backpressured"] == ["verifier_lm"]
         # Every model full: tasks already in flight finish, then nothing new starts.
         reporting.add("solver_lm")
         await asyncio.sleep(0.3)
-        for _ in range(200):
-            if coord.in_flight == 0:
-                break
-            await asyncio.sleep(0.05)
+        await until(lambda: coord.in_flight == 0, 10)
         started = coord.counters["tasks_started"]
         await asyncio.sleep(1.5)
         assert coord.counters["tasks_started"] == started
@@ -215,12 +227,10 @@ async def test_full_mqs_stop_new_tasks_until_a_backlog_drains(cluster: dict):
     finally:
         stop_reporting.set()
         await reporter
-    await nc.publish(names.depth("verifier_lm"), encode_json(
-        DepthReport(model="verifier_lm", depth=3, capacity=64, trained_version=0)))
-    for _ in range(100):
-        if coord.counters["tasks_started"] > started:
-            break
-        await asyncio.sleep(0.05)
+    for m in MODELS:
+        await nc.publish(names.depth(m), encode_json(
+            DepthReport(model=m, depth=3, capacity=64, trained_version=trained[m])))
+    await until(lambda: coord.counters["tasks_started"] > started, 5)
     assert coord.counters["tasks_started"] > started
 
 
