@@ -8,7 +8,7 @@ TORCH_VERSION := 2.13.0
 TORCH_INDEX ?=
 CONFIG ?= configs/demo.yaml
 
-.PHONY: venv demo test e2e faults soak lint plot bench clean
+.PHONY: venv demo test test-cuda e2e faults soak lint plot bench clean
 
 venv: $(STAMP)
 
@@ -26,6 +26,10 @@ demo: venv
 
 test: venv
 	$(BIN)/pytest -q -p no:cacheprovider
+
+# The tests that need a GPU (marked cuda; `make test` deselects them). They fail, not skip, without CUDA.
+test-cuda: venv
+	$(BIN)/pytest -q -p no:cacheprovider -m cuda
 
 e2e: venv
 	$(BIN)/pytest -q -p no:cacheprovider tests/e2e

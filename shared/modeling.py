@@ -19,7 +19,10 @@ def model_seed(cfg: ChorusConfig, model: str) -> int:
 
 
 def build_model(cfg: ChorusConfig, model: str) -> torch.nn.Module:
-    """A tiny random-initialised Llama-style causal LM over the byte vocabulary, float32, CPU."""
+    """A tiny random-initialised Llama-style causal LM over the byte vocabulary, in ``models.<m>.dtype``, on the CPU.
+
+    Initialised in float32 and then cast, so a bfloat16 model holds the rounded float32 version-0 weights.
+    """
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -42,5 +45,4 @@ def build_model(cfg: ChorusConfig, model: str) -> torch.nn.Module:
     with devnull:
         torch.manual_seed(model_seed(cfg, model))
         net = LlamaForCausalLM(hf_cfg)
-    net.to(torch.float32)
-    return net
+    return net.to(getattr(torch, cfg.models[model].dtype))

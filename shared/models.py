@@ -1,9 +1,11 @@
 """Models and tokenizers of a run, the same in every process: tiny, a local HF directory, or SmolLM2.
 
 ``load_model`` gives the network a rollouter serves and a trainer trains: the base, wrapped by peft with
-one LoRA per adapter when the model has a ``lora`` section. Adapter initialisation is seeded, so every
-process starts from the same version-0 weights. ``shipped_tensors`` names what a weight update carries:
-every parameter of a full model, only the adapter tensors of a LoRA model.
+one LoRA per adapter when the model has a ``lora`` section, in ``models.<m>.dtype`` on the device that
+:func:`resolve_device` picks from ``models.<m>.device``. Adapter initialisation is seeded (and done on the
+CPU, before the move), so every process starts from the same version-0 weights on any device.
+``shipped_tensors`` names what a weight update carries: every parameter of a full model, only the adapter
+tensors of a LoRA model.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from shared.config import ChorusConfig
+from shared.config import ChorusConfig, ConfigError
 from shared.modeling import build_model, model_seed
 from shared.tokenizer import ByteTokenizer
 
@@ -198,7 +200,24 @@ def load_tokenizer(cfg: ChorusConfig, name: str) -> Tokenizer:
     return HFTokenizer(AutoTokenizer.from_pretrained(str(path)))
 
 
+def resolve_device(cfg: ChorusConfig, name: str) -> torch.device:
+    """Where model ``name`` computes: ``models.<name>.device``, auto being cuda when torch sees a GPU, else cpu.
+
+    Raises :class:`ConfigError` for cuda on a machine (or a torch build) without CUDA: resolve it at a
+    service's start, so the run stops there with the key to change rather than at the first tensor moved.
+    """
+    import torch
+
+    want = cfg.models[name].device
+    has_cuda = torch.cuda.is_available()
+    if want == "cuda" and not has_cuda:
+        raise ConfigError(f"models.{name}.device is cuda but torch.cuda.is_available() is False (no CUDA device or "
+                          "a CPU-only torch); set device: cpu or auto")
+    return torch.device("cuda" if want == "cuda" or (want == "auto" and has_cuda) else "cpu")
+
+
 def load_base(cfg: ChorusConfig, name: str) -> torch.nn.Module:
+    """The base network of model ``name`` in its ``dtype``, on the CPU."""
     path = model_dir(cfg, name)
     if path is None:
         return build_model(cfg, name)
@@ -209,12 +228,18 @@ def load_base(cfg: ChorusConfig, name: str) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
 
 
-def load_model(cfg: ChorusConfig, name: str) -> torch.nn.Module:
-    """The network of model ``name``: the base, or a peft model with every adapter of the model on it."""
+def load_model(cfg: ChorusConfig, name: str, device: torch.device | str | None = None) -> torch.nn.Module:
+    """The network of model ``name``: the base, or a peft model with every adapter of the model on it, on
+    ``device`` (default: :func:`resolve_device`).
+
+    peft keeps the adapters of a bfloat16 base in float32 (its default ``autocast_adapter_dtype``): the
+    trained tensors stay float32, the frozen base bfloat16.
+    """
+    target = resolve_device(cfg, name) if device is None else device
     base = load_base(cfg, name)
     lora = cfg.models[name].lora
     if lora is None:
-        return base
+        return base.to(target)
     import torch
     from peft import LoraConfig, PeftModel, get_peft_model
 
@@ -232,7 +257,7 @@ def load_model(cfg: ChorusConfig, name: str) -> torch.nn.Module:
     assert net is not None
     for pname, p in net.named_parameters():
         p.requires_grad_(is_adapter_tensor(pname))
-    return net
+    return net.to(target)
 
 
 def is_adapter_tensor(name: str) -> bool:

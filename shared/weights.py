@@ -144,6 +144,9 @@ def flatten(model: str, version: int, named: dict[str, torch.Tensor], *,
             bucket_bytes: int = DEFAULT_BUCKET_BYTES, out: Buffer | None = None) -> tuple[WeightsHeader, Buffer]:
     """Copy every tensor into one contiguous buffer (one copy, no per-tensor messages) and checksum its buckets.
 
+    The buffer is host memory whatever device the tensors live on (a GPU tensor is copied to it directly, as
+    raw bytes: bfloat16 travels as it is).
+
     ``out``, when at least as large as the tensors, is reused (a fresh multi-GB buffer costs page faults
     on first touch); the returned buffer is then ``out`` and the header's ``nbytes`` says how much of it
     holds this version.
@@ -199,6 +202,7 @@ def load_into(named: dict[str, torch.Tensor], header: WeightsHeader, body: bytes
     every bucket is checked against the header first. The header may name a subset of ``named`` (a LoRA
     update ships only adapter tensors), but every tensor it names must exist with the same shape and dtype.
     All of that is checked before the first copy, so a rejected update leaves ``named`` exactly as it was.
+    The tensors may live on any device: each is filled by one ``copy_`` from the host buffer.
     """
     import torch
 

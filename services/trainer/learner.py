@@ -1,8 +1,13 @@
 """The torch learner: forward/backward of micro-batches, gradient accumulation, one optimizer step per global batch.
 
 Knows nothing of NATS. Every method runs torch work, so the service calls it from one worker thread. A LoRA
-model trains only its adapters: each micro-batch is one pass with every row routed to its sample's adapter,
-so all adapters of the base move in the same optimizer step.
+model trains only its adapters: every row is routed to its sample's adapter, so all adapters of the base move
+in the same optimizer step. A micro-batch is cut into length-sorted sub-batches that pad little
+(:func:`services.trainer.logprobs.pack_rows`), each run forward and backward on its own: the loss is a sum of
+per-sample terms over ``global_batch``, so the accumulated gradient is the one of the whole micro-batch.
+
+The network lives on ``models.<m>.device`` in ``models.<m>.dtype``; the loss math (log-softmax, ratios) is
+float32. Checkpoints and committed states hold CPU tensors and load onto the device.
 """
 
 from __future__ import annotations
@@ -17,8 +22,9 @@ from typing import Any
 import torch
 
 from services.trainer.grpo import ppo_clip_loss
+from services.trainer.logprobs import PAD_BOUND, ResponseScorer, pack_rows
 from shared.config import ChorusConfig
-from shared.models import context_length, load_model, load_tokenizer, shipped_tensors
+from shared.models import context_length, load_model, load_tokenizer, resolve_device, shipped_tensors
 from shared.schemas import Sample
 from shared.validation import arrays_problem, numbers_problem
 
@@ -35,6 +41,11 @@ class Collated:
     loss_mask: torch.Tensor
     logp_behav: torch.Tensor
     adapters: list[str | None] = field(default_factory=list)  # per row: the LoRA adapter of its sample
+
+    def to(self, device: torch.device) -> Collated:
+        """The same batch with its tensors on ``device``."""
+        return Collated(self.input_ids.to(device), self.attention_mask.to(device), self.targets.to(device),
+                        self.loss_mask.to(device), self.logp_behav.to(device), list(self.adapters))
 
 
 @dataclass
@@ -113,10 +124,13 @@ class Learner:
                              "in eval mode, where dropout is off; set it to 0")
         self.adapters: list[str] | None = cfg.adapters_of(model) if self.lora else None
         self.pad_id = load_tokenizer(cfg, model).pad_id
-        self.net = load_model(cfg, model)
+        self.device = resolve_device(cfg, model)
+        self.net = load_model(cfg, model, self.device)
         self.net.train(not self.lora)
         self.vocab_size = int(self.net.get_input_embeddings().num_embeddings)
         self.context = context_length(self.net)
+        self.scorer = ResponseScorer(self.net, self.temperature)
+        self.pad_bound = PAD_BOUND  # inf: every micro-batch in one pass
         self.trainable = [p for p in self.net.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.trainable, lr=optim.lr, betas=tuple(optim.betas),
                                            weight_decay=optim.weight_decay)
@@ -130,34 +144,42 @@ class Learner:
         return validate_sample(sample, self.vocab_size, self.adapters, self.context)
 
     def token_logprobs(self, batch: Collated) -> torch.Tensor:
-        """log pi_theta of every next token, [B, L-1]; a LoRA model runs each row through its sample's adapter."""
-        routing: dict[str, Any] = {}
+        """log pi_theta of the response tokens, [B, L-1] float32 (0 outside the loss mask); a LoRA model runs each
+        row through its sample's adapter. ``batch`` must be on the learner's device."""
+        routing: list[str] | None = None
         if self.lora:
             unknown = sorted({str(a) for a in batch.adapters if a not in (self.adapters or [])})
             if unknown or len(batch.adapters) != batch.input_ids.shape[0]:
                 raise ValueError(f"rows name adapters {unknown}, model {self.model_name!r} has {self.adapters}")
-            routing["adapter_names"] = list(batch.adapters)
-        out = self.net(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False, **routing)
-        logits = out.logits[:, :-1, :].float() / self.temperature
-        logp = torch.log_softmax(logits, dim=-1)
-        return logp.gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1)
+            routing = [str(a) for a in batch.adapters]
+        return self.scorer(batch.input_ids, batch.targets, batch.loss_mask, routing)
 
     def accumulate(self, samples: Sequence[Sample], advantages: Sequence[float]) -> float:
-        """Forward + backward of one micro-batch (loss scaled by 1/global_batch); returns its loss."""
+        """Forward + backward of one micro-batch (loss scaled by 1/global_batch), sub-batch by sub-batch; returns
+        its loss."""
         if not samples:
             return 0.0
         if len(samples) != len(advantages):
             raise ValueError(f"{len(samples)} samples but {len(advantages)} advantages")
-        batch = collate(samples, self.pad_id)
-        logp = self.token_logprobs(batch)
         adv = torch.as_tensor(list(advantages), dtype=torch.float32)
-        loss, stats = ppo_clip_loss(logp, batch.logp_behav, adv, batch.loss_mask, self.clip_eps, self.global_batch)
-        loss.backward()
+        lengths = [s.prompt_ids.shape[0] + s.response_ids.shape[0] for s in samples]
+        loss_sum = 0.0
+        parts: list[dict[str, float]] = []
+        for rows in pack_rows(lengths, self.pad_bound):
+            batch = collate([samples[i] for i in rows], self.pad_id).to(self.device)
+            if not bool(batch.loss_mask.any()):
+                continue  # empty responses: no term in the loss, nothing to run
+            logp = self.token_logprobs(batch)
+            loss, stats = ppo_clip_loss(logp, batch.logp_behav, adv[rows].to(self.device), batch.loss_mask,
+                                        self.clip_eps, self.global_batch)
+            loss.backward()
+            loss_sum += float(loss.detach())
+            parts.append(stats)
         self.accumulated += len(samples)
-        self._loss_sum += float(loss.detach())
-        for k, v in stats.items():
+        self._loss_sum += loss_sum
+        for k, v in merge_token_stats(parts).items():
             self._stats_sum[k] = self._stats_sum.get(k, 0.0) + v * len(samples)
-        return float(loss.detach())
+        return loss_sum
 
     def ready(self) -> bool:
         return self.accumulated >= self.global_batch
@@ -200,9 +222,15 @@ class Learner:
         """What a weight update carries, by name: every parameter, or only the adapters of a LoRA model."""
         return {name: t.detach() for name, t in shipped_tensors(self.net, self.lora).items()}
 
+    def optimizer_state(self) -> dict[str, Any]:
+        """AdamW's state_dict with every tensor copied to the CPU (what checkpoints and commits hold)."""
+        return _to_cpu(self.optimizer.state_dict())
+
     def state_dict(self) -> dict[str, Any]:
-        """Version, the shipped tensors (the frozen base of a LoRA model is rebuilt, not saved) and AdamW's state."""
-        return {"version": self.version, "model": self.named_tensors(), "optimizer": self.optimizer.state_dict()}
+        """Version, the shipped tensors (the frozen base of a LoRA model is rebuilt, not saved) and AdamW's
+        state, all on the CPU."""
+        return {"version": self.version, "model": {k: t.cpu() for k, t in self.named_tensors().items()},
+                "optimizer": self.optimizer_state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         own = self.named_tensors()
@@ -216,7 +244,8 @@ class Learner:
                 raise ValueError(f"checkpoint {name}: shape {tuple(saved[name].shape)}, model has {tuple(t.shape)}")
         with torch.no_grad():
             for name, t in own.items():
-                t.copy_(saved[name])
+                t.copy_(saved[name])  # across devices and into the model's dtype
+        # torch moves each state tensor to its parameter's device (and dtype, except AdamW's step).
         self.optimizer.load_state_dict(state["optimizer"])
         self.version = int(state["version"])
         self.optimizer.zero_grad(set_to_none=True)
@@ -238,8 +267,32 @@ class Learner:
         """Load the newest ``v<N>.pt`` in ``directory``; None when there is none."""
         path = latest_checkpoint(directory)
         if path is not None:
+            # Read onto the CPU, then onto the device by load_state_dict (weights by copy_, AdamW's moments by
+            # torch's own move): map_location=device would also put AdamW's step counters on the GPU, where a
+            # non-fused AdamW reads each one back to the host every step.
             self.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
         return path
+
+
+def merge_token_stats(parts: Sequence[dict[str, float]]) -> dict[str, float]:
+    """:func:`ppo_clip_loss` stats of sub-batches as one batch's: ``tokens`` summed, the others (token means)
+    weighted by their tokens."""
+    if not parts:
+        return {}
+    tokens = sum(p["tokens"] for p in parts)
+    merged = {k: sum(p[k] * p["tokens"] for p in parts) / max(tokens, 1.0) for k in parts[0] if k != "tokens"}
+    return {**merged, "tokens": tokens}
+
+
+def _to_cpu(value: Any) -> Any:
+    """``value`` with every tensor inside (dicts, lists, tuples) copied to the CPU."""
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
 
 
 def latest_checkpoint(directory: Path) -> Path | None:

@@ -36,6 +36,7 @@ from services.trainer.state import Committed, RecentSteps, pack_state, steps_rem
 from shared.bus import fetch, kv_put_int_max, pull_consumer, stream_seq
 from shared.codec import DecodeError, decode, encode
 from shared.logs import append_line
+from shared.models import resolve_device
 from shared.schemas import DropEvent, MicroBatch, Sample, StepRecord, WeightsAnnounce
 from shared.service import Service
 from shared.validation import sample_problem
@@ -63,6 +64,9 @@ class TrainerService(Service):
 
     async def setup(self) -> None:
         assert self.model is not None
+        # First: a device this machine lacks is a config error (models.<m>.device), before anything is started.
+        self.device = resolve_device(self.cfg, self.model)
+        self.log.info("device", device=str(self.device), dtype=self.cfg.models[self.model].dtype)
         self.train = self.cfg.train
         self.ckpt_dir = self.cfg.run_dir / "checkpoints" / self.model
         self.metrics_path = self.cfg.run_dir / "metrics.jsonl"
@@ -384,7 +388,7 @@ class TrainerService(Service):
                        bucket_bytes=self.source.bucket_bytes, out=out)
 
     def _pack(self, record: dict[str, Any] | None) -> bytes:
-        return pack_state(self.learner.version, self.learner.optimizer.state_dict(), record, self.recent)
+        return pack_state(self.learner.version, self.learner.optimizer_state(), record, self.recent)
 
     def _load_commit(self, ann: WeightsAnnounce, weights: memoryview, state: memoryview) -> Committed:
         """Worker thread: the learner as committed: the weights object's tensors (every bucket checked) and the

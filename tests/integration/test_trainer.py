@@ -392,3 +392,24 @@ async def _train_v1(cfg, nats_url, js, names, watch, run_id) -> tuple[bytes, str
     finally:
         svc.stop()
         assert await asyncio.wait_for(task, 30) == 0
+
+
+async def test_a_trainer_on_a_device_the_machine_lacks_fails_at_start_naming_the_key(nats_url, run_id, tmp_path,
+                                                                                      monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg = write_cfg(tmp_path, run_id)
+    cfg.models[MODEL].device = "cuda"
+    names = Names(run_id)
+    nc = await nats.connect(nats_url)
+    watch = Watch()
+    await watch.attach(nc, names)
+    try:
+        code = await asyncio.wait_for(TrainerService(cfg, nats_url=nats_url, model=MODEL).serve(), 30)
+        assert code == 2
+        out = capsys.readouterr()
+        assert "models.m.device is cuda but torch.cuda.is_available() is False" in out.out + out.err
+        assert "set device: cpu or auto" in out.out + out.err
+        await nc.flush()
+        assert not watch.announces  # it stopped before committing or announcing anything
+    finally:
+        await nc.close()
