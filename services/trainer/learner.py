@@ -22,7 +22,14 @@ from typing import Any
 import torch
 
 from services.trainer.grpo import ppo_clip_loss
-from services.trainer.logprobs import PAD_BOUND, ResponseScorer, pack_rows
+from services.trainer.logprobs import (
+    PAD_BOUND,
+    ResponseScorer,
+    pack_rows,
+    pack_shared,
+    prompt_groups,
+    shared_width,
+)
 from shared.config import ChorusConfig
 from shared.models import context_length, load_model, load_tokenizer, resolve_device, shipped_tensors
 from shared.schemas import Sample
@@ -131,6 +138,7 @@ class Learner:
         self.context = context_length(self.net)
         self.scorer = ResponseScorer(self.net, self.temperature)
         self.pad_bound = PAD_BOUND  # inf: every micro-batch in one pass
+        self.share_prompts = True  # samples with one prompt run it once (False: one row per sample)
         self.trainable = [p for p in self.net.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.trainable, lr=optim.lr, betas=tuple(optim.betas),
                                            weight_decay=optim.weight_decay)
@@ -162,6 +170,8 @@ class Learner:
         if len(samples) != len(advantages):
             raise ValueError(f"{len(samples)} samples but {len(advantages)} advantages")
         adv = torch.as_tensor(list(advantages), dtype=torch.float32)
+        if self.share_prompts and self.scorer.split:
+            return self._accumulate_shared(samples, adv)
         lengths = [s.prompt_ids.shape[0] + s.response_ids.shape[0] for s in samples]
         loss_sum = 0.0
         parts: list[dict[str, float]] = []
@@ -180,6 +190,40 @@ class Learner:
         for k, v in merge_token_stats(parts).items():
             self._stats_sum[k] = self._stats_sum.get(k, 0.0) + v * len(samples)
         return loss_sum
+
+    def _accumulate_shared(self, samples: Sequence[Sample], adv: torch.Tensor) -> float:
+        """:meth:`accumulate` with each (adapter, prompt) group's prompt run once (:func:`pack_shared`): a GRPO
+        group's G samples cost one prompt and G responses, not G prompts. The packed rows are cut into
+        sub-batches that pad little, like single samples are."""
+        groups = prompt_groups(samples)
+        widths = [shared_width(samples, g) for g in groups]
+        loss_sum = 0.0
+        parts: list[dict[str, float]] = []
+        for chosen in pack_rows(widths, self.pad_bound):
+            idx = [i for c in chosen for i in groups[c]]
+            batch = pack_shared([samples[i] for i in idx], self.pad_id).to(self.device)
+            if not bool(batch.loss_mask.any()):
+                continue
+            logp = self.scorer.shared(batch, self._routing(batch.adapters))
+            loss, stats = ppo_clip_loss(logp, batch.logp_behav, adv[idx].to(self.device), batch.loss_mask,
+                                        self.clip_eps, self.global_batch)
+            loss.backward()
+            loss_sum += float(loss.detach())
+            parts.append(stats)
+        self.accumulated += len(samples)
+        self._loss_sum += loss_sum
+        for k, v in merge_token_stats(parts).items():
+            self._stats_sum[k] = self._stats_sum.get(k, 0.0) + v * len(samples)
+        return loss_sum
+
+    def _routing(self, adapters: Sequence[str | None]) -> list[str] | None:
+        """Per-row adapter names for a LoRA model (checked), None for a full model."""
+        if not self.lora:
+            return None
+        unknown = sorted({str(a) for a in adapters if a not in (self.adapters or [])})
+        if unknown:
+            raise ValueError(f"rows name adapters {unknown}, model {self.model_name!r} has {self.adapters}")
+        return [str(a) for a in adapters]
 
     def ready(self) -> bool:
         return self.accumulated >= self.global_batch

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from services.trainer.grpo import ppo_clip_loss
 from services.trainer.learner import Collated, Learner, collate
-from services.trainer.logprobs import pack_rows
+from services.trainer.logprobs import pack_rows, pack_shared, prompt_groups
 from shared.config import ChorusConfig
 from shared.schemas import Array, Sample
 from shared.tokenizer import BOS_ID, EOS_ID, VOCAB_SIZE
@@ -158,3 +158,40 @@ def test_one_long_row_among_short_ones_is_split_off_and_equal_rows_stay_together
     assert pack_rows([100, 5], float("inf")) == [[0, 1]]
     with pytest.raises(ValueError, match="pad bound"):
         pack_rows([1], 0.5)
+
+
+def grouped(lora: bool) -> list[Sample]:
+    """GRPO-like groups of 3, 3 and 2 samples with one long response among short ones. With LoRA, group 1 mixes
+    two adapters (one prompt, two packed rows) and group 2 has group 0's prompt under another adapter (its own
+    row): rows share a prompt only under the same adapter."""
+    out = []
+    for i, r in enumerate(RESPONSES):
+        group = i // 3
+        adapter = {0: "sol", 1: "sol" if i % 2 else "ver", 2: "ver"}[group] if lora else None
+        base = sample(i, PROMPTS[group], r, adapter)
+        prompt = sample(group if group != 2 else 0, PROMPTS[group if group != 2 else 0], 1).prompt_ids
+        out.append(base.model_copy(update={"prompt_ids": prompt, "group_key": f"g{group}"}))
+    return out
+
+
+@pytest.mark.parametrize("share", [True, False], ids=["shared-prompts", "one-row-per-sample"])
+@pytest.mark.parametrize("lora", CASES, ids=IDS)
+def test_samples_sharing_a_prompt_run_it_once_and_give_the_same_gradient(lora, share):
+    new, old = learners(lora)
+    new.share_prompts = share
+    samples = grouped(lora is not None)
+    groups = prompt_groups(samples)
+    assert len(groups) < len(samples) and max(len(g) for g in groups) >= 3
+    packed = pack_shared(samples, new.pad_id)
+    assert packed.input_ids.shape[0] == len(groups)
+    assert packed.input_ids.shape[1] < sum(s.prompt_ids.shape[0] + s.response_ids.shape[0] for s in samples)
+    loss = new.accumulate(samples, ADVANTAGES)
+    ref_loss, ref_stats = reference_accumulate(old, samples, ADVANTAGES)
+    old.accumulated += len(samples)
+    assert loss == pytest.approx(ref_loss, rel=1e-5, abs=1e-7)
+    for k, v in ref_stats.items():
+        assert new._stats_sum[k] / len(samples) == pytest.approx(v, rel=1e-5, abs=1e-7), k
+    g_new, g_old = new.scaled_gradients(), old.scaled_gradients()
+    assert g_new.keys() == g_old.keys() and g_new
+    for name, g in g_old.items():
+        assert torch.allclose(g_new[name], g, rtol=1e-4, atol=1e-6), name
