@@ -167,6 +167,10 @@ class Service:
                            error=f"{type(exc).__name__}: {exc}")
             await self._close()
             return EX_TEMPFAIL
+        except ConfigError as exc:  # a setting this machine cannot honour (device: cuda without CUDA): restarting won't help
+            self.log.error("service cannot start with this config; stopping the run", error=f"ConfigError: {exc}")
+            await self._close()
+            return EX_RUN_FAILED
         except Exception as exc:
             self.log.error("service failed to start", error=f"{type(exc).__name__}: {exc}")
             await self._close()

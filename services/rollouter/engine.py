@@ -167,13 +167,14 @@ class TorchEngine:
             raise ValueError("every prompt needs at least one token")
         n = len(prompts)
         tok = self.tokenizer
-        ids, mask = left_pad(prompts, tok.pad_id)
-        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32)
-        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
+        dev = next(self.model.parameters()).device
+        ids, mask = (t.to(dev) for t in left_pad(prompts, tok.pad_id))
+        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
         budget = torch.tensor([p.max_new_tokens for p in params], dtype=torch.long)
         greedy = temperature <= 0
         # stop table: EOS plus each row's own stop ids
-        stop_table = torch.zeros((n, self.vocab_size), dtype=torch.bool)
+        stop_table = torch.zeros((n, self.vocab_size), dtype=torch.bool, device=dev)
         stop_table[:, tok.eos_id] = True
         for i, p in enumerate(params):
             if p.ignore_eos:
@@ -185,7 +186,7 @@ class TorchEngine:
         routing = {"adapter_names": [a or BASE_ADAPTER for a in adapters]} if self.lora else {}
 
         results = [GenResult() for _ in range(n)]
-        done = torch.zeros(n, dtype=torch.bool)
+        done = torch.zeros(n, dtype=torch.bool, device=dev)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         step_input, step_pos, past = ids, positions, None
         for step in range(int(budget.max())):
@@ -194,19 +195,19 @@ class TorchEngine:
             past = out.past_key_values
             logits = out.logits[:, -1, :].float()
             logp = behaviour_logprobs(logits, temperature, top_p)
-            sampled = torch.multinomial(logp.exp(), 1, generator=self.generator).squeeze(-1)
+            sampled = torch.multinomial(logp.exp().cpu(), 1, generator=self.generator).squeeze(-1).to(dev)
             token = torch.where(greedy, logits.argmax(-1), sampled)
             token_logp = logp.gather(-1, token[:, None]).squeeze(-1)
 
             active = ~done
-            hit_stop = stop_table[torch.arange(n), token]
+            hit_stop = stop_table[torch.arange(n, device=dev), token]
             for i in torch.nonzero(active).flatten().tolist():
                 results[i].ids.append(int(token[i]))
                 results[i].logprobs.append(float(token_logp[i]))
                 if i in text_stops and not hit_stop[i] and tail_has_stop(tok, results[i].ids, text_stops[i]):
                     hit_stop[i] = True
             finished_stop = active & hit_stop
-            finished_len = active & ~hit_stop & (budget <= step + 1)
+            finished_len = active & ~hit_stop & (budget.to(dev) <= step + 1)
             for i in torch.nonzero(finished_stop).flatten().tolist():
                 results[i].finish = "stop"
             done = done | finished_stop | finished_len
@@ -215,7 +216,7 @@ class TorchEngine:
             # finished rows keep decoding PAD (ignored) so the batch shape stays fixed
             step_input = torch.where(done, torch.full_like(token, tok.pad_id), token)[:, None]
             step_pos = step_pos[:, -1:] + 1
-            mask = torch.cat([mask, torch.ones((n, 1), dtype=mask.dtype)], dim=-1)
+            mask = torch.cat([mask, torch.ones((n, 1), dtype=mask.dtype, device=dev)], dim=-1)
         for r in results:
             r.versions = [self.version] * len(r.ids)
         self.rows_generated += n

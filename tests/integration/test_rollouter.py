@@ -299,3 +299,19 @@ async def test_a_request_past_its_deadline_is_answered_with_an_error_not_generat
         assert resp.error is None and len(resp.outputs) == 1
     finally:
         await nc.close()
+
+
+async def test_a_rollouter_on_a_device_the_machine_lacks_stops_the_run_naming_the_key(
+        nats_url: str, run_id: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    from shared.service import EX_RUN_FAILED
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg = write_config(tmp_path, run_id)
+    cfg.models[MODEL].device = "cuda"
+    code = await asyncio.wait_for(RollouterService(cfg, nats_url=nats_url, instance="0", model=MODEL).serve(), 30)
+    assert code == EX_RUN_FAILED
+    out = capsys.readouterr()
+    assert "models.m.device is cuda but torch.cuda.is_available() is False" in out.out + out.err

@@ -189,3 +189,18 @@ def test_weights_changed_mid_generation_reprefill_and_each_token_keeps_its_versi
                 assert torch.allclose(torch.tensor(r.logprobs)[mine], ref[mine], atol=1e-4), (version, r.handle)
     finally:
         net.load_state_dict(before)
+
+
+@pytest.mark.cuda
+def test_on_cuda_the_engine_gives_the_cpu_engine_s_greedy_ids(net: torch.nn.Module) -> None:
+    """Run with `make test-cuda` on a machine with a GPU (deselected elsewhere; it fails, never skips, without one)."""
+    import copy
+
+    ps = prompts(6, seed=21)
+    settings = [SamplingParams(12, 0.0, ignore_eos=True)] * 6
+    cpu = ContinuousEngine(net, TOK, max_batch=4).generate(ps, settings)
+    gpu_net = copy.deepcopy(net).to("cuda")
+    got = ContinuousEngine(gpu_net, TOK, max_batch=4).generate(ps, settings)
+    assert [g.ids for g in got] == [c.ids for c in cpu]
+    for g, c in zip(got, cpu, strict=True):
+        assert torch.allclose(torch.tensor(g.logprobs), torch.tensor(c.logprobs), atol=1e-3)
