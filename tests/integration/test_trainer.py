@@ -19,9 +19,9 @@ from services.trainer.commits import Commits, Fenced
 from services.trainer.service import TrainerService
 from shared.bus import ensure_run, kv_get_int, object_names
 from shared.codec import decode, encode
-from shared.service import EX_RUN_FAILED
 from shared.config import ChorusConfig, load_config
 from shared.schemas import Array, MicroBatch, Sample, WeightsAnnounce
+from shared.service import EX_RUN_FAILED
 from shared.subjects import Names
 from shared.tokenizer import BOS_ID, EOS_ID
 from shared.weights import WeightsHeader, checksum, flatten, unpack
