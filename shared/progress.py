@@ -15,6 +15,10 @@ class ModelProgress:
     version: int = 0
     reward_mean: float | None = None
     done: bool = False
+    trained: int = 0  # samples in the step records seen
+    dropped: dict[str, int] = field(default_factory=dict)  # samples in the drop records seen, by reason
+    steps_seen: set[int] = field(default_factory=set)
+    drops_seen: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -40,12 +44,31 @@ class RunTracker:
         if kind == "step":
             if isinstance(ev.get("version"), int):
                 p.version = max(p.version, ev["version"])
+                if isinstance(ev.get("samples"), int) and ev["version"] not in p.steps_seen:
+                    p.steps_seen.add(ev["version"])
+                    p.trained += ev["samples"]
             if isinstance(ev.get("reward_mean"), int | float):
                 p.reward_mean = float(ev["reward_mean"])
+        elif kind == "drop" and isinstance(ev.get("count"), int) and isinstance(ev.get("reason"), str):
+            key = f"{ev['reason']}:{','.join(sorted(map(str, ev.get('sample_ids') or [])))}"
+            if key not in p.drops_seen:  # a record delivered twice counts once
+                p.drops_seen.add(key)
+                p.dropped[ev["reason"]] = p.dropped.get(ev["reason"], 0) + ev["count"]
         elif kind == "done":
             p.done = True
         if p.version >= self.max_versions:
             p.done = True
+
+    def sample_lines(self) -> list[str]:
+        """Per model: samples trained and dropped (by reason), stale drops as a share of trained + stale."""
+        out = []
+        for name, p in sorted(self.models.items()):
+            stale = p.dropped.get("stale", 0)
+            share = stale / (stale + p.trained) if stale + p.trained else 0.0
+            others = ", ".join(f"{r} {n}" for r, n in sorted(p.dropped.items()) if r != "stale")
+            out.append(f"{name}: {p.trained} samples trained, {stale} dropped as stale ({share:.1%})"
+                       + (f"; other drops: {others}" if others else ""))
+        return out
 
     def on_trained_version(self, model: str, version: int) -> None:
         """The trainer's KV version (covers events missed before the subscription started)."""

@@ -331,6 +331,7 @@ async def run_up(config_path: Path | None, *, timeout_s: float | None = None, co
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig)
     nc: NATS | None = None
+    tracker: RunTracker | None = None
     code = 1
     try:
         nc = await connect(url, "chorus-up", timeout_s=cfg.nats.connect_timeout_s)
@@ -342,6 +343,7 @@ async def run_up(config_path: Path | None, *, timeout_s: float | None = None, co
                 tracker.on_event(decode_json(msg.data))
 
         await nc.subscribe(names.events("trainer"), cb=on_event)
+        await nc.subscribe(names.events("mq"), cb=on_event)  # drop records
         evals: list[dict[str, Any]] = []
 
         async def on_coordinator(msg: Msg) -> None:
@@ -373,6 +375,9 @@ async def run_up(config_path: Path | None, *, timeout_s: float | None = None, co
         if server is not None:
             await asyncio.to_thread(server.stop)
     _report(run_dir, console)
+    if tracker is not None:
+        for line in tracker.sample_lines():
+            console.print(line)
     return code
 
 

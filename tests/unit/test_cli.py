@@ -393,3 +393,18 @@ async def test_status_shows_the_table_counts_of_a_live_mq(nats_url: str, run_id:
     assert "1 service instance(s) answered" in text
     # half a group: held and dispatchable as a row, waiting for its group
     assert [r for r in _table_rows(text) if "solver" in r] == [["a", "solver", "1", "0", "1", "1", "1", "1", "1"]]
+
+
+def test_the_run_tracker_counts_trained_and_dropped_samples_once_each() -> None:
+    from shared.progress import RunTracker
+
+    t = RunTracker.for_models(["m"], 10)
+    for ev in ({"kind": "step", "model": "m", "version": 1, "samples": 16},
+               {"kind": "step", "model": "m", "version": 1, "samples": 16},  # redelivered
+               {"kind": "step", "model": "m", "version": 2, "samples": 16},
+               {"kind": "drop", "model": "m", "reason": "stale", "count": 2, "sample_ids": ["a", "b"]},
+               {"kind": "drop", "model": "m", "reason": "stale", "count": 2, "sample_ids": ["b", "a"]},
+               {"kind": "drop", "model": "m", "reason": "invalid", "count": 1, "sample_ids": ["c"]},
+               {"kind": "drop", "model": "other", "reason": "stale", "count": 9, "sample_ids": ["d"]}):
+        t.on_event(ev)
+    assert t.sample_lines() == ["m: 32 samples trained, 2 dropped as stale (5.9%); other drops: invalid 1"]
