@@ -48,6 +48,7 @@ from shared.tokenizer import ByteTokenizer
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 LENGTH_STEP = 64  # the pool's length grows in multiples of this
 PREFIX_ENTRIES = 32  # prompts kept in the prefix cache
+MERGE_MAX = 16  # a starting row's last tokens computed in the step's shared forward; more are prefilled apart
 
 
 class Unsupported(ValueError):
@@ -98,7 +99,9 @@ class Row:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     finish: str = "length"
-    kv_len: int = 0  # tokens whose keys/values are in the slot (all but the last sampled one)
+    kv_len: int = 0  # tokens whose keys/values are in the slot (all but ``pending``)
+    pending: list[int] = field(default_factory=list)  # tokens the next forward pass computes (the last sampled)
+    cache_key: tuple[str | None, tuple[int, ...]] | None = None  # prefix-cache entry to make after the forward
     kv_version: int | None = None  # weights the slot's KV was computed with; None before the first prefill
     stop_ids: frozenset[int] = frozenset()
     slot: int = -1
@@ -165,7 +168,8 @@ class ContinuousEngine:
                                                                             list[torch.Tensor]]] = OrderedDict()
         self.prefix_entries = prefix_entries
         self.stats = {"steps": 0, "prefills": 0, "prefill_tokens": 0, "shared_prefills": 0, "prefix_hits": 0,
-                      "prefix_tokens_saved": 0, "reprefills": 0, "decode_row_steps": 0}
+                      "prefix_tokens_saved": 0, "reprefills": 0, "decode_row_steps": 0,
+                      "merged_prefill_tokens": 0}
 
     # --- the API the batcher uses -------------------------------------------------------------
     def named_tensors(self) -> dict[str, torch.Tensor]:
@@ -227,18 +231,16 @@ class ContinuousEngine:
 
     @torch.inference_mode()
     def step(self, new_rows: Iterable[Row] = ()) -> list[Row]:
-        """Admit what fits (FIFO), prefill rows that need it, decode one token for every running row.
+        """Admit what fits (FIFO), start the rows that need it, and sample one token for every running row.
 
         Returns the rows that finished in this step (their slots are free again).
         """
         self.waiting.extend(new_rows)
         self._admit()
-        finished: list[Row] = []
         stale = [r for r in self.running if r.kv_version != self.version]
         if stale:
-            finished += self._prefill(stale)
-        if self.running:
-            finished += self._decode()
+            self._start(stale)
+        finished = self._forward() if self.running else []
         self.stats["steps"] += 1
         return finished
 
@@ -383,39 +385,42 @@ class ContinuousEngine:
         return self.lm_head(hidden).float()
 
     # --- prefill ------------------------------------------------------------------------------
-    def _prefill(self, rows: Sequence[Row]) -> list[Row]:
-        """Compute the KV of each row's tokens (once per distinct adapter + tokens) and sample its next token."""
+    def _start(self, rows: Sequence[Row]) -> None:
+        """Rows whose slot holds no KV of the current weights (new, or interrupted by a load): reuse the longest
+        cached prefix, and leave only a few tokens ``pending`` for the step's one forward pass.
+
+        Rows with the same adapter and tokens (a GRPO group's copies) share the work: the first computes, the
+        others copy its KV. A long remainder (over ``MERGE_MAX`` tokens), or one shared by copies, is
+        prefilled apart, all but its last token, so the step's forward pads its queries to a few at most.
+        """
+        if any(v != self.version for v, _, _ in self._prefix.values()):
+            self._prefix.clear()  # KV of other weights
         by_key: dict[tuple[str | None, tuple[int, ...]], list[Row]] = {}
         for r in rows:
             if r.kv_version is not None:
                 self.stats["reprefills"] += 1
             by_key.setdefault((r.adapter, tuple(r.tokens)), []).append(r)
-        if any(v != self.version for v, _, _ in self._prefix.values()):
-            self._prefix.clear()  # KV of other weights
-        logits_rows: list[torch.Tensor] = []
-        order: list[Row] = []
         for (adapter, tokens), group in by_key.items():
             first = group[0]
-            last_hidden = self._prefill_one(first, adapter, tokens)
-            for other in group[1:]:
-                n = len(tokens)
-                for k, v in zip(self._k, self._v, strict=True):
-                    k[other.slot, :, :n] = k[first.slot, :, :n]
-                    v[other.slot, :, :n] = v[first.slot, :, :n]
-                self.stats["shared_prefills"] += 1
+            start = self._reuse_prefix(first, adapter, tokens)
+            if len(tokens) - start > MERGE_MAX or (len(group) > 1 and len(tokens) - start > 1):
+                self._prefill_apart(first, adapter, tokens, start, len(tokens) - 1)
+                start = len(tokens) - 1
+                self._remember(first, (adapter, tokens[:start]), start)  # rows starting later in this step
+            first.cache_key = (adapter, tokens)
             for r in group:
-                r.kv_len = len(tokens)
+                if r is not first and start:
+                    for k, v in zip(self._k, self._v, strict=True):
+                        k[r.slot, :, :start] = k[first.slot, :, :start]
+                        v[r.slot, :, :start] = v[first.slot, :, :start]
+                    self.stats["shared_prefills"] += 1
+                r.kv_len = start
+                r.pending = list(tokens[start:])
                 r.kv_version = self.version
-            logits = self._logits(last_hidden)
-            for r in group:
-                logits_rows.append(logits)
-                order.append(r)
-        return self._sample(order, torch.stack(logits_rows))
 
-    def _prefill_one(self, row: Row, adapter: str | None, tokens: tuple[int, ...]) -> torch.Tensor:
-        """Prefill ``tokens`` into ``row``'s slot, reusing the longest cached prefix; the last position's hidden state."""
+    def _reuse_prefix(self, row: Row, adapter: str | None, tokens: tuple[int, ...]) -> int:
+        """Copy the longest cached prefix of ``tokens`` (at most all but one) into ``row``'s slot; its length."""
         n = len(tokens)
-        slot = row.slot
         start = 0
         hit = None
         for key, (_version, ks, vs) in self._prefix.items():
@@ -432,63 +437,96 @@ class ContinuousEngine:
             key, ks, vs = hit
             self._prefix.move_to_end(key)
             for k, v, ck, cv in zip(self._k, self._v, ks, vs, strict=True):
-                k[slot, :, :start] = ck[:, :start]
-                v[slot, :, :start] = cv[:, :start]
+                k[row.slot, :, :start] = ck[:, :start]
+                v[row.slot, :, :start] = cv[:, :start]
             self.stats["prefix_hits"] += 1
             self.stats["prefix_tokens_saved"] += start
-        new = n - start
-        ids = torch.tensor(tokens[start:], dtype=torch.long, device=self.device)
-        positions = torch.arange(start, n, device=self.device)
-        if start:
-            mask = (torch.arange(n, device=self.device)[None, :] <= positions[:, None])[None, None]
-        else:
-            mask = None
+        return start
+
+    def _prefill_apart(self, row: Row, adapter: str | None, tokens: tuple[int, ...], start: int, end: int) -> None:
+        """KV of ``tokens[start:end]`` into ``row``'s slot, after the ``start`` already there (one forward, no logits)."""
+        slot = row.slot
+        ids = torch.tensor(tokens[start:end], dtype=torch.long, device=self.device)
+        positions = torch.arange(start, end, device=self.device)
+        mask = (torch.arange(end, device=self.device)[None, :] <= positions[:, None])[None, None] if start else None
 
         def attend(li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             kp, vp = self._k[li], self._v[li]
-            kp[slot, :, start:n] = k.transpose(0, 1)
-            vp[slot, :, start:n] = v.transpose(0, 1)
-            out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kp[slot : slot + 1, :, :n],
-                                                 vp[slot : slot + 1, :, :n], attn_mask=mask,
+            kp[slot, :, start:end] = k.transpose(0, 1)
+            vp[slot, :, start:end] = v.transpose(0, 1)
+            out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kp[slot : slot + 1, :, :end],
+                                                 vp[slot : slot + 1, :, :end], attn_mask=mask,
                                                  is_causal=mask is None, enable_gqa=self.n_kv != self.n_heads)
             return out[0].transpose(0, 1)
 
-        hidden = self._run(ids, positions, [(adapter, 0, new)], attend)
+        self._run(ids, positions, [(adapter, 0, end - start)], attend)
         self.stats["prefills"] += 1
-        self.stats["prefill_tokens"] += new
-        if self.prefix_entries:
-            key = (adapter, tokens)
-            self._prefix[key] = (self.version, [k[slot, :, :n].clone() for k in self._k],
-                                 [v[slot, :, :n].clone() for v in self._v])
-            self._prefix.move_to_end(key)
-            while len(self._prefix) > self.prefix_entries:
-                self._prefix.popitem(last=False)
-        return hidden[-1]
+        self.stats["prefill_tokens"] += end - start
 
-    # --- decode -------------------------------------------------------------------------------
-    def _decode(self) -> list[Row]:
+    def _remember(self, row: Row, key: tuple[str | None, tuple[int, ...]] | None, n: int) -> None:
+        """Keep the KV of the first ``n`` tokens in ``row``'s slot in the prefix cache under ``key``."""
+        if key is None or not self.prefix_entries or n <= 0:
+            return
+        self._prefix[key] = (self.version, [k[row.slot, :, :n].clone() for k in self._k],
+                             [v[row.slot, :, :n].clone() for v in self._v])
+        self._prefix.move_to_end(key)
+        while len(self._prefix) > self.prefix_entries:
+            self._prefix.popitem(last=False)
+
+    # --- the step's forward pass --------------------------------------------------------------
+    def _forward(self) -> list[Row]:
+        """One forward pass over every running row's pending tokens (one for a decoding row, a prompt's last
+        few for a row that just started), the logits of each row's last position, one token sampled per row."""
         rows = self.running
         b = len(rows)
-        ids = torch.tensor([r.ids[-1] for r in rows], dtype=torch.long, device=self.device)
-        pos = torch.tensor([r.kv_len for r in rows], dtype=torch.long, device=self.device)
-        width = int(pos.max()) + 1
-        mask = (torch.arange(width, device=self.device)[None, :] <= pos[:, None])[:, None, None, :]
-        slots = torch.arange(b, device=self.device)
+        counts = [len(r.pending) for r in rows]
+        n_max = max(counts)
+        dev = self.device
+        flat = [t for r in rows for t in r.pending]
+        ids = torch.tensor(flat, dtype=torch.long, device=dev)
+        base = torch.tensor([r.kv_len for r in rows], dtype=torch.long, device=dev)
+        counts_t = torch.tensor(counts, dtype=torch.long, device=dev)
+        row_of = torch.repeat_interleave(torch.arange(b, device=dev), counts_t)
+        ends = torch.cumsum(counts_t, 0)
+        offset = torch.arange(len(flat), device=dev) - (ends - counts_t)[row_of]
+        pos = base[row_of] + offset
+        width = int((base + counts_t).max())
+        # query i of row r sees key j when j <= kv_len_r + i (its own past and its earlier pending tokens)
+        limit = base[:, None] + torch.arange(n_max, device=dev)[None, :]  # [B, n_max]
+        mask = (torch.arange(width, device=dev)[None, None, :] <= limit[:, :, None])[:, None]  # [B,1,n_max,W]
         gqa = self.n_kv != self.n_heads
+        cum = [0]
+        for c in counts:
+            cum.append(cum[-1] + c)
+        groups = [(a, cum[s], cum[e]) for a, s, e in self._group_bounds()]
 
         def attend(li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             kp, vp = self._k[li], self._v[li]
-            kp[slots, :, pos] = k
-            vp[slots, :, pos] = v
-            out = F.scaled_dot_product_attention(q[:, :, None, :], kp[:b, :, :width], vp[:b, :, :width],
-                                                 attn_mask=mask, enable_gqa=gqa)
-            return out[:, :, 0, :]
+            kp[row_of, :, pos] = k
+            vp[row_of, :, pos] = v
+            if n_max == 1:
+                qb = q[:, :, None, :]
+            else:
+                qb = q.new_zeros((b, n_max, q.shape[1], q.shape[2]))
+                qb[row_of, offset] = q
+                qb = qb.transpose(1, 2)
+            out = F.scaled_dot_product_attention(qb, kp[:b, :, :width], vp[:b, :, :width], attn_mask=mask,
+                                                 enable_gqa=gqa)
+            if n_max == 1:
+                return out[:, :, 0, :]
+            return out.transpose(1, 2)[row_of, offset]
 
-        hidden = self._run(ids, pos, self._group_bounds(), attend)
-        for r in rows:
-            r.kv_len += 1
+        hidden = self._run(ids, pos, groups, attend)
+        last = ends - 1
+        for r, c in zip(rows, counts, strict=True):
+            r.kv_len += c
+            r.pending = []
+            if r.cache_key is not None:
+                self._remember(r, r.cache_key, r.kv_len)
+                r.cache_key = None
         self.stats["decode_row_steps"] += b
-        return self._sample(list(rows), self._logits(hidden))
+        self.stats["merged_prefill_tokens"] += len(flat) - b
+        return self._sample(list(rows), self._logits(hidden[last]))
 
     def _sample(self, rows: Sequence[Row], logits: torch.Tensor) -> list[Row]:
         """Sample one token per row from ``logits`` [n, V], record it, and retire the rows that end."""
@@ -507,6 +545,7 @@ class ContinuousEngine:
         tok = self.tokenizer
         for r, t, lp in zip(rows, tokens, lps, strict=True):
             r.ids.append(t)
+            r.pending = [t]
             r.logprobs.append(lp)
             r.versions.append(self.version)
             if t in r.stop_ids or (r.params.stop and tail_has_stop(tok, r.ids, r.params.stop)):

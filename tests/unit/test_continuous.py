@@ -91,6 +91,7 @@ def test_requests_joining_mid_flight_give_what_each_gives_alone(lora_net: torch.
     # the 14 rows ran 4 at a time, rows joining as others left: far fewer steps than one request at a time
     assert engine.stats["steps"] < sum(s.max_new_tokens for s in settings)
     assert engine.stats["shared_prefills"] + engine.stats["prefix_hits"] >= 1
+    assert engine.stats["merged_prefill_tokens"] > 0  # short prompts started inside the step's one forward
     assert not engine.busy and engine.reserved == 0
 
 
@@ -165,8 +166,8 @@ def test_weights_changed_mid_generation_reprefill_and_each_token_keeps_its_versi
     before = {k: v.clone() for k, v in net.state_dict().items()}
     engine = ContinuousEngine(net, TOK, max_batch=4)
     rows = [engine.row(p, s, handle=i) for i, (p, s) in enumerate(zip(ps, settings, strict=True))]
-    done = engine.step(rows)  # a row's first step: its prefill samples one token, the decode another
-    for _ in range(6):
+    done = engine.step(rows)  # one token per row and step
+    for _ in range(7):
         done += engine.step()
     assert not done and all(len(r.ids) == 8 for r in rows)
     try:
