@@ -41,6 +41,7 @@ CHORUS = str(Path(sys.executable).parent / "chorus")
 MODEL = "m"
 MODES = ("sync", "microbatch", "async")
 ASYNC_STALENESS = 2
+ON_SYNC = ["drain"]  # rollouter.on_sync of every mode (--on-sync)
 PROMPT = "You are the solver of a team. Read the notes before you; reply with the last digit of the sum. Task: "
 
 
@@ -51,7 +52,8 @@ def run_config(mode: str, run_id: str, run_dir: Path) -> dict[str, Any]:
         "models": {MODEL: {
             "arch": {"hidden_size": 256, "num_layers": 4, "num_heads": 4, "intermediate_size": 512,
                      "max_position": 160},
-            "rollouter": {"instances": 1, "max_batch": 8, "batch_window_ms": 5.0, "threads": 1},
+            "rollouter": {"instances": 1, "max_batch": 8, "batch_window_ms": 5.0, "threads": 1,
+                          "on_sync": ON_SYNC[0]},
             "optim": {"lr": 1.0e-4, "weight_decay": 0.0, "grad_clip": 1.0},
         }},
         # A long instruction, as agents of a multi-agent workflow read the turns before theirs: prompt tokens
@@ -232,10 +234,13 @@ if __name__ == "__main__":
     ap.add_argument("--timeout-s", type=float, default=180.0, help="give up on a mode after this long")
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of sync,microbatch,async")
     ap.add_argument("--work-dir", type=Path, default=None, help="keep configs, run dirs and service logs here")
+    ap.add_argument("--on-sync", choices=("drain", "interrupt"), default="drain",
+                    help="rollouter.on_sync: what a weight sync does to rows mid-generation")
     a = ap.parse_args()
     modes = tuple(m.strip() for m in a.modes.split(",") if m.strip())
     if not modes or any(m not in MODES for m in modes):
         ap.error(f"--modes: choose from {','.join(MODES)}")
     if a.warmup < 1 or a.steps < 1:
         ap.error("--warmup and --steps must be at least 1")
+    ON_SYNC[0] = a.on_sync
     asyncio.run(main(a.steps, a.warmup, a.timeout_s, modes, a.work_dir))

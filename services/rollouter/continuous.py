@@ -156,6 +156,9 @@ class ContinuousEngine:
         for what, tid in (("eos_id", self.tokenizer.eos_id), ("pad_id", self.tokenizer.pad_id)):
             if not 0 <= tid < self.vocab_size:
                 raise ValueError(f"tokenizer {what} {tid} is outside the model's vocabulary [0, {self.vocab_size})")
+        norm = self.body.norm
+        self._fused_norm = (self.dtype == torch.float32 and type(norm).__name__.endswith("RMSNorm")
+                            and hasattr(norm, "variance_epsilon"))
         self._order = {a: i for i, a in enumerate((None, *self.adapters))}  # slot order of the adapter groups
         self.waiting: deque[Row] = deque()
         self.running: list[Row] = []  # by slot
@@ -342,7 +345,7 @@ class ContinuousEngine:
     def _proj(self, mod: torch.nn.Module, x: torch.Tensor, groups: Sequence[tuple[str | None, int, int]]) -> torch.Tensor:
         """``mod(x)`` for rows (tokens) grouped by adapter: the base once, each adapter's delta on its slice."""
         if not _is_lora(mod):
-            return mod(x)
+            return F.linear(x, mod.weight, mod.bias) if type(mod) is torch.nn.Linear else mod(x)
         y = mod.base_layer(x)
         for adapter, s, e in groups:
             if adapter is None or adapter not in mod.lora_A or getattr(mod, "disable_adapters", False):
@@ -364,7 +367,7 @@ class ContinuousEngine:
         t = ids.shape[0]
         for li, layer in enumerate(self.layers):
             attn = layer.self_attn
-            x = layer.input_layernorm(h)
+            x = self._norm(layer.input_layernorm, h)
             q = self._proj(attn.q_proj, x, groups).view(t, -1, self.head_dim)
             k = self._proj(attn.k_proj, x, groups).view(t, -1, self.head_dim)
             v = self._proj(attn.v_proj, x, groups).view(t, -1, self.head_dim)
@@ -374,12 +377,18 @@ class ContinuousEngine:
             k = k * cos + _rotate_half(k) * sin
             o = attend(li, q, k, v).reshape(t, -1)
             h = h + self._proj(attn.o_proj, o, groups)
-            x = layer.post_attention_layernorm(h)
+            x = self._norm(layer.post_attention_layernorm, h)
             mlp = layer.mlp
             gate = self._proj(mlp.gate_proj, x, groups)
             up = self._proj(mlp.up_proj, x, groups)
             h = h + self._proj(mlp.down_proj, mlp.act_fn(gate) * up, groups)
-        return self.body.norm(h)
+        return self._norm(self.body.norm, h)
+
+    def _norm(self, mod: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """An RMSNorm in one fused op where it computes what the module does (float32), else the module."""
+        if self._fused_norm:
+            return F.rms_norm(x, (x.shape[-1],), mod.weight, mod.variance_epsilon)
+        return mod(x)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
