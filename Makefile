@@ -50,6 +50,7 @@ bench: venv
 	$(BIN)/python loadtests/bench_pipeline.py
 	$(BIN)/python loadtests/bench_weightsync.py
 	$(BIN)/python loadtests/bench_sandbox.py
+	$(BIN)/python loadtests/bench_rollout.py
 
 plot: venv
 	$(BIN)/chorus plot $$(ls -d runs/*/ | tail -n 1)
