@@ -17,8 +17,8 @@ at a time, about twice the wall time). A worker times `time.process_time()` (eve
 around the generation only: engine set-up (a KV pool, a manager and its paged cache) is outside. CPU time,
 not wall time, because this machine is shared.
 
-Workload of a cell (batch B): a queue of `--depth` (3) batch-worths of requests (a batch-worth is B
-requests, 2 at B=1), each prompt the demo's solver prompt and a distinct question of its arithmetic task
+Workload of a cell (batch B): a queue of `--depth` (3) batch-worths of requests, 2 for equal rows (a
+batch-worth is B requests, 2 at B=1), each prompt the demo's solver prompt and a distinct question of its arithmetic task
 ("What is 13 - 7?", 29 to 31 tokens with the chat template), each row with a fixed output length: Chorus
 `SamplingParams(max_new_tokens=L, ignore_eos=True, temperature=0)`; transformers' continuous batching
 per-request `add_request(max_new_tokens=L, eos_token_id=-1)` (EOS off); `generate` one call per chunk of B
@@ -27,7 +27,7 @@ any static batch). Only each row's target tokens count, so what a static batch s
 ended is its loss.
 - equal: every row `--equal` tokens (default 12).
 - longtail: every row `min(40, ceil(8 * Pareto(1.5)))` tokens (8 to 40, mean 17.3), then one row of each
-  batch-worth set to the long row, min(`--long`, 16 * B) tokens (256 at B=32, 128 at B=8, 16 at B=1), at a
+  batch-worth set to the long row, min(`--long`, max(16, 8 * B)) tokens (256 at B=32, 64 at B=8, 16 at B=1), at a
   seeded random place: the issue's shape, most rows 8 to 40 tokens and one of 256 in every 32.
 The arms whose rows join (Chorus continuous, transformers' continuous batching) run the whole queue: rows
 join as others end, and the long rows run beside short ones. The static-like arms (Chorus static,
@@ -76,7 +76,7 @@ if str(ROOT) not in sys.path:  # run as a script: `python loadtests/bench_rollou
 
 ARMS = ("static", "continuous", "hf_generate", "hf_continuous")
 STATIC_LIKE = ("static", "hf_generate")  # rows cannot join: they run the first batch-worth of the queue
-TAIL_PER_ROW = 16  # the long row of a batch-worth is min(--long, 16 * B) tokens: 16, 128 and 256 at B = 1, 8, 32
+TAIL_PER_ROW = 8  # the long row of a batch-worth is min(--long, max(16, 8 * B)) tokens: 16, 64, 256 at B = 1, 8, 32
 SHAPES = ("equal", "longtail")
 SHORT_MIN, SHORT_MAX, ALPHA = 8, 40, 1.5  # short rows of the long tail: min(40, ceil(8 * Pareto(1.5)))
 HEADS = 4  # tokens per row compared with the static arm
@@ -396,7 +396,7 @@ def main() -> None:
     p.add_argument("--depth", type=int, default=3, help="batch-worths in the queue of the arms whose rows join (> 1)")
     p.add_argument("--equal", type=int, default=12, help="output tokens of every row, equal shape")
     p.add_argument("--long", type=int, default=256, help="the long row of each batch-worth, longtail shape "
-                   f"(at most {TAIL_PER_ROW} x the batch)")
+                   f"(at most max(16, {TAIL_PER_ROW} x the batch))")
     p.add_argument("--short-max", type=int, default=SHORT_MAX, help="cap of the Pareto rows, longtail shape")
     p.add_argument("--core", type=int, default=None, help="the core of every arm (default: the last)")
     p.add_argument("--one-core", action="store_true", help="every arm on one core, one at a time (twice as long)")
@@ -433,8 +433,10 @@ def main() -> None:
         n = a.depth * max(b, 2)
         prompts = prompts_for(cfg, tokenizer, n, seed=b)
         for shape in shapes:
-            long = min(a.long, TAIL_PER_ROW * b)
-            cells.append((b, shape, prompts, lengths_for(b, shape, n, a.equal, long, a.short_max, seed=0)))
+            long = min(a.long, max(16, TAIL_PER_ROW * b))
+            # equal rows leave no tail to fill: two batch-worths show the joining arms as well as more would
+            q = prompts if shape == "longtail" else prompts[: min(n, 2 * max(b, 2))]
+            cells.append((b, shape, q, lengths_for(b, shape, len(q), a.equal, long, a.short_max, seed=0)))
     where = (f"two at a time, each pinned to its own core ({pair_cores[0]} and {pair_cores[1]}, swapped every "
              "repeat)" if len(pair_cores) == 2 else f"one at a time, all pinned to core {core}")
     print(f"SmolLM2-135M-Instruct float32, {len(arms)} arms {where}, 1 torch thread each; "
