@@ -10,12 +10,12 @@ left-padded rows) and transformers' continuous batching (a `ContinuousBatchingMa
 in float32 (dequantised once into `runs/_cache`, as `configs/demo.yaml` does), greedily, one torch thread.
 
 Each arm is its own worker process, started once (the models load in parallel), with one torch thread.
-The parent hands the workers jobs interleaved, repeat by repeat. Arms run two at a time, each pinned with
-every thread to its own core of the two this machine has: the two static-like arms together, then the two
-whose rows join; the cores swap every repeat, so every arm runs on both (`--one-core`: all on one core, one
-at a time, about twice the wall time). A worker times `time.process_time()` (every thread of the process)
-around the generation only: engine set-up (a KV pool, a manager and its paged cache) is outside. CPU time,
-not wall time, because this machine is shared.
+Every repeat runs every (cell, arm) job once, on one lane per core of the two this machine has: a lane takes
+the longest job left whose arm is idle and pins the worker with every thread to its core for that job, so
+both cores stay busy and no arm runs two jobs at once (`--one-core`: one lane, all on one core, about twice
+the wall time). A worker times `time.process_time()` (every thread of the process) around the generation
+only: engine set-up (a KV pool, a manager and its paged cache) is outside. CPU time, not wall time, because
+this machine is shared and the job on the other core shares its memory bus.
 
 Workload of a cell (batch B): a queue of `--depth` (3) batch-worths of requests, 2 for equal rows (a
 batch-worth is B requests, 2 at B=1), each prompt the demo's solver prompt and a distinct question of its arithmetic task
@@ -66,6 +66,7 @@ import random
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -334,6 +335,45 @@ class Worker:
 
 
 # --- the parent: jobs interleaved, tables, the ratio line ---------------------------------------------------
+def run_lanes(jobs: list[tuple[int, str, list[list[int]], list[int], str]], workers: dict[str, Worker],
+              cores: list[int], rep: int) -> list[tuple[tuple[int, str, str], dict[str, Any]]]:
+    """Run ``jobs`` (batch, shape, prompts, lengths, arm) on one lane per core: each lane takes the next job
+    whose arm is idle and pins it to its core, so both cores stay busy and no arm runs two jobs at once."""
+    lock = threading.Condition()
+    pending = list(jobs)
+    busy: set[str] = set()
+    out: list[tuple[tuple[int, str, str], dict[str, Any]]] = []
+
+    def lane(core: int) -> None:
+        while True:
+            with lock:
+                while True:
+                    job = next((j for j in pending if j[4] not in busy), None)
+                    if job is not None or not pending:
+                        break
+                    lock.wait()
+                if job is None:
+                    return
+                pending.remove(job)
+                busy.add(job[4])
+            b, shape, prompts, lengths, arm = job
+            job_prompts, job_lengths = workload(arm, b, prompts, lengths)
+            res = workers[arm].job(b, job_prompts, job_lengths, core)
+            with lock:
+                busy.discard(arm)
+                out.append(((b, shape, arm), res))
+                lock.notify_all()
+
+    order = cores[rep % len(cores):] + cores[: rep % len(cores)]  # which lane starts with the longest job
+    threads = [threading.Thread(target=lane, args=(c,)) for c in order]
+    for t in threads:
+        t.start()
+        time.sleep(0.05)
+    for t in threads:
+        t.join()
+    return out
+
+
 def workload(arm: str, batch: int, prompts: list[list[int]], lengths: list[int]) -> tuple[list[list[int]], list[int]]:
     """What ``arm`` runs of a cell's queue: a static-like arm the first batch-worth (rows cannot join its
     batches, so more batch-worths of the same make only more chunks of the same shape and rate), the others
@@ -437,8 +477,8 @@ def main() -> None:
             # equal rows leave no tail to fill: two batch-worths show the joining arms as well as more would
             q = prompts if shape == "longtail" else prompts[: min(n, 2 * max(b, 2))]
             cells.append((b, shape, q, lengths_for(b, shape, len(q), a.equal, long, a.short_max, seed=0)))
-    where = (f"two at a time, each pinned to its own core ({pair_cores[0]} and {pair_cores[1]}, swapped every "
-             "repeat)" if len(pair_cores) == 2 else f"one at a time, all pinned to core {core}")
+    where = (f"on two lanes, each job pinned to its lane's core ({pair_cores[0]} or {pair_cores[1]})"
+             if len(pair_cores) == 2 else f"one at a time, all pinned to core {core}")
     print(f"SmolLM2-135M-Instruct float32, {len(arms)} arms {where}, 1 torch thread each; "
           f"{a.repeats} repeats of {len(cells)} cells; load average {os.getloadavg()[0]:.1f}", flush=True)
     workers = {arm: Worker(arm, model_dir, core) for arm in arms}
@@ -455,20 +495,17 @@ def main() -> None:
         for arm in live:  # first-call costs (allocator, lazy imports) outside every measurement
             workers[arm].job(2, warm_prompts, [4, 2])
         print(f"  models loaded and warm in {time.perf_counter() - started:.0f} s", flush=True)
+        cost: dict[tuple[int, str, str], float] = {}  # (batch, shape, arm) -> wall seconds of the last repeat
         for rep in range(a.repeats):
             t0 = time.perf_counter()
-            # Pairs that run together: the two static-like arms, then the two whose rows join; cores swap
-            # every repeat, so every arm runs on both.
-            groups = [[x for x in live if x in STATIC_LIKE], [x for x in live if x not in STATIC_LIKE]]
-            if len(pair_cores) < 2:
-                groups = [[x] for g in groups for x in g]
-            for b, shape, prompts, lengths in cells:
-                for group in groups:
-                    for i, arm in enumerate(group):
-                        job_prompts, job_lengths = workload(arm, b, prompts, lengths)
-                        workers[arm].send(b, job_prompts, job_lengths, pair_cores[(i + rep) % len(pair_cores)])
-                    for arm in group:
-                        results[(b, shape)].setdefault(arm, []).append(workers[arm].receive())
+            jobs = [(b, shape, prompts, lengths, arm) for b, shape, prompts, lengths in cells for arm in live]
+            # longest first (the first repeat guesses from the tokens an arm runs), so the cores end together
+            jobs.sort(key=lambda j: -cost.get((j[0], j[1], j[4]), sum(workload(j[4], j[0], j[2], j[3])[1])))
+            done = run_lanes(jobs, workers, pair_cores, rep)
+            for (b, shape, arm), res in done:
+                results[(b, shape)].setdefault(arm, []).append(res)
+                if "wall_s" in res:
+                    cost[(b, shape, arm)] = res["wall_s"]
             print(f"  repeat {rep + 1}/{a.repeats}: {time.perf_counter() - t0:.0f} s", flush=True)
     finally:
         for w in workers.values():
