@@ -15,22 +15,33 @@ class Admission:
     models: list[str]
     max_versions: int
     stale_after_s: float  # a report older than this is ignored, so a dead mq does not freeze the run
-    depth: dict[str, tuple[int, int, float]] = field(default_factory=dict)  # model -> (depth, capacity, at)
+    # model -> (depth, capacity, at, the trainer's version when the report was taken)
+    depth: dict[str, tuple[int, int, float, int]] = field(default_factory=dict)
     trained: dict[str, int] = field(default_factory=dict)
+    served: dict[str, int] = field(default_factory=dict)  # the version the model's rollouters serve
 
-    def on_depth(self, model: str, depth: int, capacity: int, now: float) -> None:
+    def on_depth(self, model: str, depth: int, capacity: int, now: float, trained_version: int = 0) -> None:
         if model in self.models:
-            self.depth[model] = (depth, capacity, now)
+            self.depth[model] = (depth, capacity, now, trained_version)
+
+    def on_served(self, model: str, version: int) -> None:
+        """The model's rollouters serve ``version``: its trainer has stepped on the samples of every report taken
+        at an older trainer version, so those reports no longer hold admission back (in the on-policy modes the
+        last report before a step counts the whole batch, and the next one could be ``mq.report_interval_s``
+        away: every batch would wait for it)."""
+        if model in self.models:
+            self.served[model] = max(version, self.served.get(model, 0))
 
     def on_trained(self, model: str, version: int) -> None:
         if model in self.models:
             self.trained[model] = max(version, self.trained.get(model, 0))
 
     def blocked_by(self, now: float) -> list[str]:
-        """Models whose latest fresh report says the backlog is at or over capacity."""
+        """Models whose latest fresh report says the backlog is at or over capacity (a report is not fresh when it
+        is older than ``stale_after_s``, or taken before the trainer made the version now served)."""
         return [
-            m for m, (depth, capacity, at) in sorted(self.depth.items())
-            if depth >= capacity and now - at <= self.stale_after_s
+            m for m, (depth, capacity, at, trained) in sorted(self.depth.items())
+            if depth >= capacity and now - at <= self.stale_after_s and trained >= self.served.get(m, 0)
         ]
 
     def active(self) -> list[str]:

@@ -166,6 +166,7 @@ class CoordinatorService(Service):
     async def _poll_versions(self) -> None:
         for m in self.models:
             self.served[m] = await kv_get_int(self.kv, self.names.version_key(m))
+            self.admission.on_served(m, self.served[m])
             self.admission.on_trained(m, await kv_get_int(self.kv, self.names.trained_key(m)))
 
     async def _version_loop(self) -> None:
@@ -193,6 +194,7 @@ class CoordinatorService(Service):
         try:
             self.served[model] = max(self.served.get(model, 0),
                                      await kv_get_int(self.kv, self.names.version_key(model)))
+            self.admission.on_served(model, self.served[model])
         except (nats.errors.Error, TimeoutError, ValueError) as exc:
             self.counters["version_poll_errors"] += 1
             self.log.warning("reading the served version failed", model=model, error=f"{type(exc).__name__}: {exc}")
@@ -204,7 +206,7 @@ class CoordinatorService(Service):
             await self.to_dlq(msg.subject, msg.data, f"malformed DepthReport JSON: {exc}")
             return
         now = time.monotonic()
-        self.admission.on_depth(report.model, report.depth, report.capacity, now)
+        self.admission.on_depth(report.model, report.depth, report.capacity, now, report.trained_version)
         self.admission.on_trained(report.model, report.trained_version)
         if self.pacer is not None:
             self.pacer.on_report(report.model, report.depth, report.trained_version, now)

@@ -179,8 +179,9 @@ async def test_full_mqs_stop_new_tasks_until_the_backlogs_drain(cluster: dict):
     names, nc, coord = cluster["names"], cluster["nc"], cluster["coord"]
     await drain(cluster["subs"]["solver_lm"], 2 * G)
     stop_reporting = asyncio.Event()
-    # trained version of each model's reports; the verifier's trainer steps until it is frozen
-    trained = {"solver_lm": 0, "verifier_lm": 0}
+    # trained version of each model's reports (at least the version served: a report taken before the served
+    # version was trained is outdated); the verifier's trainer steps until it is frozen
+    trained = {"solver_lm": 2, "verifier_lm": 5}
     reporting = {"verifier_lm"}
 
     async def report() -> None:
@@ -201,7 +202,7 @@ async def test_full_mqs_stop_new_tasks_until_the_backlogs_drain(cluster: dict):
         # every task until it has room; tasks already in flight finish.
         for v in range(1, 5):
             await asyncio.sleep(0.25)
-            trained["verifier_lm"] = v
+            trained["verifier_lm"] = 5 + v
         await until(lambda: coord.in_flight == 0, 10)
         started = coord.counters["tasks_started"]
         await asyncio.sleep(1.0)

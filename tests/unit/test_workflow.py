@@ -129,6 +129,23 @@ def test_admission_blocks_on_a_fresh_full_report_only():
     assert adm.blocked_by(now=107.0) == []
 
 
+def test_a_report_taken_before_the_served_version_was_trained_no_longer_blocks():
+    """In the on-policy modes the last report before a step counts the whole batch (depth = capacity): once the
+    rollouters serve the version trained on it, that report no longer holds the next batch back."""
+    from services.coordinator.admission import Admission
+
+    adm = Admission(models=["a"], max_versions=9, stale_after_s=5.0)
+    adm.on_served("a", 3)
+    adm.on_depth("a", depth=64, capacity=64, now=100.0, trained_version=3)
+    assert adm.saturated(now=100.1)  # the batch of version 3 -> 4 is waiting for its step
+    adm.on_served("a", 4)  # SyncDone: version 4 is served, so the trainer stepped on that batch
+    assert not adm.saturated(now=100.2) and adm.blocked_by(now=100.2) == []
+    adm.on_depth("a", depth=64, capacity=64, now=100.3, trained_version=4)  # a new full report still counts
+    assert adm.saturated(now=100.4)
+    adm.on_served("a", 2)  # versions never go back
+    assert adm.saturated(now=100.4)
+
+
 def test_admission_budget_is_spent_when_every_model_reached_max_versions():
     from services.coordinator.admission import Admission
 
