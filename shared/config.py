@@ -284,12 +284,28 @@ class TrainConfig(Section):
     # once all rollouts of a task are done, and mq dispatches whole groups. trainer: the trainer groups the
     # samples of each micro-batch it receives by (env, agent, turn); mq does not wait for whole groups.
     grouping: Literal["episode", "trainer"] = "episode"
-    clip_eps: float = 0.2
+    # The policy loss (docs/algorithms.md). ppo_clip: PPO-clip of pi_theta against the behaviour policy mu
+    # (verl's bypass mode). decoupled: decoupled PPO as AReaL implements it, the clip centred on the
+    # proximal policy (the weights before the step) and pi_prox / mu as an importance weight.
+    loss: Literal["ppo_clip", "decoupled"] = "ppo_clip"
+    loss_agg: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum"] = "seq-mean-token-mean"
+    clip_eps: float = Field(default=0.2, gt=0.0, lt=1.0)
+    # dual-clip: a negative-advantage token's loss is at most clip_ratio_c * |A| (null: off); verl's default 3
+    clip_ratio_c: float | None = Field(default=3.0, gt=1.0)
+    # decoupled only: tokens whose pi_prox / mu exceeds this leave the loss (null: no cap)
+    behav_imp_weight_cap: float | None = Field(default=None, gt=1.0)
     # Every version is committed to the object store (weights and optimizer) before its micro-batches are acked;
     # this adds a file runs/<id>/checkpoints/<model>/v<N>.pt every this many versions (0 = never).
     checkpoint_every: int = Field(default=25, ge=0)
     threads: int = Field(default=1, ge=1)
     ack_wait_s: float = 60.0
+
+    @model_validator(mode="after")
+    def _loss_options(self) -> TrainConfig:
+        if self.behav_imp_weight_cap is not None and self.loss != "decoupled":
+            raise ValueError(f"behav_imp_weight_cap: caps the importance weight pi_prox / mu of the decoupled loss, "
+                             f"but train.loss is {self.loss!r}; set train.loss: decoupled or remove the cap")
+        return self
 
     @model_validator(mode="after")
     def _on_policy_modes(self) -> TrainConfig:

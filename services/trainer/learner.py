@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from services.trainer.grpo import ppo_clip_loss
+from services.trainer.grpo import aggregate_loss, policy_loss_terms
 from services.trainer.logprobs import (
     PAD_BOUND,
     ResponseScorer,
@@ -118,7 +118,10 @@ class Learner:
     def __init__(self, cfg: ChorusConfig, model: str) -> None:
         self.model_name = model
         self.global_batch = cfg.train.global_batch
-        self.clip_eps = cfg.train.clip_eps
+        train = cfg.train
+        self.clip_eps = train.clip_eps
+        self.loss_name, self.loss_agg = train.loss, train.loss_agg
+        self.clip_ratio_c, self.behav_imp_weight_cap = train.clip_ratio_c, train.behav_imp_weight_cap
         mcfg = cfg.models[model]
         optim = mcfg.optim
         self.grad_clip = optim.grad_clip
@@ -145,6 +148,7 @@ class Learner:
         self.version = 0
         self.accumulated = 0
         self._loss_sum = 0.0
+        self._tokens = 0.0  # response tokens accumulated for the next step (token-mean divides by them)
         self._stats_sum: dict[str, float] = {}
 
     def validate(self, sample: Sample) -> str | None:
@@ -180,15 +184,11 @@ class Learner:
             if not bool(batch.loss_mask.any()):
                 continue  # empty responses: no term in the loss, nothing to run
             logp = self.token_logprobs(batch)
-            loss, stats = ppo_clip_loss(logp, batch.logp_behav, adv[rows].to(self.device), batch.loss_mask,
-                                        self.clip_eps, self.global_batch)
+            loss, stats = self._policy_loss(logp, batch.logp_behav, adv[rows].to(self.device), batch.loss_mask)
             loss.backward()
             loss_sum += float(loss.detach())
             parts.append(stats)
-        self.accumulated += len(samples)
-        self._loss_sum += loss_sum
-        for k, v in merge_token_stats(parts).items():
-            self._stats_sum[k] = self._stats_sum.get(k, 0.0) + v * len(samples)
+        self._add_stats(len(samples), loss_sum, parts)
         return loss_sum
 
     def _accumulate_shared(self, samples: Sequence[Sample], adv: torch.Tensor) -> float:
@@ -205,16 +205,47 @@ class Learner:
             if not bool(batch.loss_mask.any()):
                 continue
             logp = self.scorer.shared(batch, self._routing(batch.adapters))
-            loss, stats = ppo_clip_loss(logp, batch.logp_behav, adv[idx].to(self.device), batch.loss_mask,
-                                        self.clip_eps, self.global_batch)
+            loss, stats = self._policy_loss(logp, batch.logp_behav, adv[idx].to(self.device), batch.loss_mask)
             loss.backward()
             loss_sum += float(loss.detach())
             parts.append(stats)
-        self.accumulated += len(samples)
-        self._loss_sum += loss_sum
-        for k, v in merge_token_stats(parts).items():
-            self._stats_sum[k] = self._stats_sum.get(k, 0.0) + v * len(samples)
+        self._add_stats(len(samples), loss_sum, parts)
         return loss_sum
+
+    def _policy_loss(self, logp: torch.Tensor, logp_behav: torch.Tensor, adv: torch.Tensor,
+                     mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        """The configured policy loss of one sub-batch, divided by the global batch's sample count (token-mean:
+        rescaled to its token count at the step).
+
+        ``decoupled``: pi_prox is the policy of the weights this learner holds before the step. Every micro-batch
+        of a step is computed with those weights (gradients accumulate, the optimizer steps once per global
+        batch), so pi_prox is this forward's own log-probs, detached: the same numbers a second no-grad forward
+        would give, without running it.
+        """
+        prox = logp.detach() if self.loss_name == "decoupled" else None
+        per_token, stats = policy_loss_terms(logp, logp_behav, adv, mask, clip_eps=self.clip_eps, loss=self.loss_name,
+                                             logp_prox=prox, clip_ratio_c=self.clip_ratio_c,
+                                             behav_imp_weight_cap=self.behav_imp_weight_cap)
+        return aggregate_loss(per_token, mask, self.loss_agg, self.global_batch), stats
+
+    def _add_stats(self, n: int, loss_sum: float, parts: Sequence[dict[str, float]]) -> None:
+        self.accumulated += n
+        self._loss_sum += loss_sum
+        merged = merge_token_stats(parts)
+        tokens = merged.pop("tokens", 0.0)
+        self._tokens += tokens
+        for k, v in merged.items():  # token means of the micro-batch: weighted by its tokens, like sub-batches
+            if k.endswith("_max"):
+                self._stats_sum[k] = max(self._stats_sum.get(k, v), v)
+            else:
+                self._stats_sum[k] = self._stats_sum.get(k, 0.0) + v * tokens
+
+    def _scale(self) -> float:
+        """What the accumulated gradients are multiplied by at the step: each micro-batch was divided by
+        ``global_batch``; the step divides by the samples it really has (or, token-mean, by their tokens)."""
+        if self.loss_agg == "token-mean":
+            return self.global_batch / max(self._tokens, 1.0)
+        return self.global_batch / max(self.accumulated, 1)
 
     def _routing(self, adapters: Sequence[str | None]) -> list[str] | None:
         """Per-row adapter names for a LoRA model (checked), None for a full model."""
@@ -230,7 +261,7 @@ class Learner:
 
     def scaled_gradients(self) -> dict[str, torch.Tensor]:
         """The accumulated gradients as the next step applies them (mean over the samples, before clipping)."""
-        scale = self.global_batch / max(self.accumulated, 1)
+        scale = self._scale()
         return {n: p.grad.detach() * scale for n, p in self.net.named_parameters() if p.grad is not None}
 
     def step(self) -> StepResult | None:
@@ -239,7 +270,7 @@ class Learner:
             return None
         n = self.accumulated
         # Each micro-batch divided by global_batch; a different count is renormalised to a mean over n.
-        scale = self.global_batch / n
+        scale = self._scale()
         # An adapter with no rows in this batch has no gradient: AdamW leaves it exactly as it was.
         params = [p for p in self.trainable if p.grad is not None]
         if scale != 1.0:
@@ -255,9 +286,11 @@ class Learner:
             self.optimizer.step()
             self.version += 1
         self.optimizer.zero_grad(set_to_none=True)
-        result = StepResult(self.version, n, self._loss_sum * scale, grad_norm,
-                            {k: v / n for k, v in self._stats_sum.items()}, skipped)
+        stats = {k: (v if k.endswith("_max") else v / max(self._tokens, 1.0)) for k, v in self._stats_sum.items()}
+        stats["tokens"] = self._tokens
+        result = StepResult(self.version, n, self._loss_sum * scale, grad_norm, stats, skipped)
         self.accumulated = 0
+        self._tokens = 0.0
         self._loss_sum = 0.0
         self._stats_sum = {}
         return result
@@ -294,6 +327,7 @@ class Learner:
         self.version = int(state["version"])
         self.optimizer.zero_grad(set_to_none=True)
         self.accumulated = 0
+        self._tokens = 0.0
         self._loss_sum = 0.0
         self._stats_sum = {}
 
@@ -319,12 +353,14 @@ class Learner:
 
 
 def merge_token_stats(parts: Sequence[dict[str, float]]) -> dict[str, float]:
-    """:func:`ppo_clip_loss` stats of sub-batches as one batch's: ``tokens`` summed, the others (token means)
-    weighted by their tokens."""
+    """:func:`policy_loss_terms` stats of sub-batches as one batch's: ``tokens`` summed, ``*_max`` the largest,
+    the others (token means) weighted by their tokens."""
     if not parts:
         return {}
     tokens = sum(p["tokens"] for p in parts)
-    merged = {k: sum(p[k] * p["tokens"] for p in parts) / max(tokens, 1.0) for k in parts[0] if k != "tokens"}
+    merged = {k: (max(p[k] for p in parts) if k.endswith("_max")
+                  else sum(p[k] * p["tokens"] for p in parts) / max(tokens, 1.0))
+              for k in parts[0] if k != "tokens"}
     return {**merged, "tokens": tokens}
 
 

@@ -340,7 +340,9 @@ class TrainerService(Service):
         self.held = []
         await self._safe(lambda: self.nc.flush(timeout=5))
         self.counters["steps"] += 1
-        await asyncio.to_thread(append_line, self.metrics_path, json.dumps(line, separators=(",", ":")))
+        # the step record, with the loss's statistics (clip fractions, KL estimates, IS weights, grad norm)
+        metrics = {**line, "grad_norm": result.grad_norm, **result.stats}
+        await asyncio.to_thread(append_line, self.metrics_path, json.dumps(metrics, separators=(",", ":")))
         self.log.info("step", version=result.version, samples=result.samples, loss=round(result.loss, 5),
                       reward_mean=round(record.reward_mean, 4), commit_s=round(self.commits.last_seconds, 3))
         await self._announce(ann)

@@ -89,3 +89,28 @@ def test_dumped_config_loads_back_identically(tmp_path: Path) -> None:
     assert config_from_yaml_text(cfg.dump_yaml()) == cfg
     assert cfg.run_dir == Path("runs") / "c1"
     assert cfg.mq_capacity == (cfg.train.max_staleness + 1) * cfg.train.global_batch
+
+
+@pytest.mark.parametrize(("train", "key"), [
+    ({"clip_eps": -0.1}, "train.clip_eps"),
+    ({"clip_eps": 0.0}, "train.clip_eps"),
+    ({"clip_ratio_c": 1.0}, "train.clip_ratio_c"),
+    ({"behav_imp_weight_cap": 0.5, "loss": "decoupled"}, "train.behav_imp_weight_cap"),
+    ({"behav_imp_weight_cap": 5.0}, "behav_imp_weight_cap"),  # ppo_clip has no pi_prox / mu to cap
+    ({"loss": "grpo"}, "train.loss"),
+    ({"loss_agg": "mean"}, "train.loss_agg"),
+])
+def test_meaningless_loss_options_are_refused_at_load_time_naming_the_key(tmp_path: Path, train: dict,
+                                                                          key: str) -> None:
+    with pytest.raises(ConfigError) as exc:
+        load_config(_write(tmp_path, {**BASE, "train": {**BASE["train"], **train}}))
+    assert key in str(exc.value)
+
+
+def test_the_loss_options_have_their_documented_defaults(tmp_path: Path) -> None:
+    t = load_config(_write(tmp_path, BASE)).train
+    assert (t.loss, t.loss_agg, t.clip_eps, t.clip_ratio_c, t.behav_imp_weight_cap) == (
+        "ppo_clip", "seq-mean-token-mean", 0.2, 3.0, None)
+    t = load_config(_write(tmp_path, {**BASE, "train": {"loss": "decoupled", "behav_imp_weight_cap": 5.0,
+                                                        "clip_ratio_c": None}})).train
+    assert (t.loss, t.behav_imp_weight_cap, t.clip_ratio_c) == ("decoupled", 5.0, None)

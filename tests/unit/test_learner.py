@@ -14,7 +14,8 @@ from shared.schemas import Array, Sample
 from shared.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
 
 
-def make_cfg(tmp_path, global_batch: int = 8, temperature: float = 1.0, lr: float = 0.01) -> ChorusConfig:
+def make_cfg(tmp_path, global_batch: int = 8, temperature: float = 1.0, lr: float = 0.01,
+             train_extra: str = "") -> ChorusConfig:
     p = tmp_path / "c.yaml"
     p.write_text(
         "run: {id: learner}\n"
@@ -22,7 +23,7 @@ def make_cfg(tmp_path, global_batch: int = 8, temperature: float = 1.0, lr: floa
         f" max_position: 64}}, optim: {{lr: {lr}, grad_clip: 1.0}}}}}}\n"
         "agents: {solver: {model: m}, verifier: {model: m}}\n"
         f"workflow: {{group_size: 2, temperature: {temperature}}}\n"
-        f"train: {{global_batch: {global_batch}, micro_batch: 4}}\n"
+        f"train: {{global_batch: {global_batch}, micro_batch: 4{train_extra}}}\n"
     )
     return load_config(p)
 
@@ -105,6 +106,56 @@ def test_accumulated_micro_batches_make_the_same_step_as_one_full_batch(tmp_path
         assert torch.allclose(p, micro.named_tensors()[name], atol=1e-4), name
         moved |= not torch.equal(p, v0[name])
     assert moved
+
+
+@pytest.mark.parametrize("loss", ["ppo_clip", "decoupled"])
+@pytest.mark.parametrize("agg", ["seq-mean-token-mean", "token-mean", "seq-mean-token-sum"])
+def test_every_loss_and_aggregation_accumulates_to_the_full_batch_step(tmp_path, loss: str, agg: str):
+    cfg = make_cfg(tmp_path, global_batch=8, train_extra=f", loss: {loss}, loss_agg: {agg}")
+    samples = [make_sample(i, resp_len=2 + 2 * (i % 3)) for i in range(8)]  # 2 to 6 tokens: token-mean differs
+    adv = [1.0, -1.0, 0.3, -0.3, 0.5, 0.1, 2.0, -2.0]
+    full, micro = Learner(cfg, "m"), Learner(cfg, "m")
+    full.accumulate(samples, adv)
+    micro.accumulate(samples[:3], adv[:3])
+    micro.accumulate(samples[3:], adv[3:])
+    g_full, g_micro = full.scaled_gradients(), micro.scaled_gradients()
+    for name, g in g_full.items():
+        assert torch.allclose(g, g_micro[name], rtol=1e-4, atol=1e-8), name
+    r_full, r_micro = full.step(), micro.step()
+    assert r_full.loss == pytest.approx(r_micro.loss, abs=1e-6)
+    tokens = sum(s.response_ids.shape[0] for s in samples)
+    assert r_full.stats["tokens"] == r_micro.stats["tokens"] == tokens
+    for key in ("clip_frac", "dual_clip_frac", "approx_kl_mu", "is_weight_mean", "is_weight_max"):
+        assert key in r_full.stats and r_full.stats[key] == pytest.approx(r_micro.stats[key], abs=1e-5), key
+    if loss == "decoupled":  # pi_prox is the learner's own policy: ratio 1, nothing clipped
+        assert r_full.stats["approx_kl_prox"] == pytest.approx(0.0, abs=1e-6) and r_full.stats["clip_frac"] == 0.0
+
+
+def test_token_mean_weighs_every_token_and_seq_means_weigh_every_sample(tmp_path):
+    """Two samples with the same per-token advantage sign but 2 and 6 tokens: the reported loss is the mean over
+    the batch's tokens (token-mean) or over its samples (the seq-mean modes), as recomputed here."""
+    samples = [make_sample(0, resp_len=2), make_sample(1, resp_len=6)]
+    adv = [1.0, 0.5]
+    per_sample_sum, per_sample_tokens = [], []
+    ref = Learner(make_cfg(tmp_path, global_batch=2), "m")
+    for s, a in zip(samples, adv, strict=True):
+        batch = collate([s], ref.pad_id)
+        with torch.no_grad():
+            logp = ref.token_logprobs(batch)
+        ratio = torch.exp(logp - batch.logp_behav).clamp(max=1.2) if a > 0 else None
+        per_token = -a * torch.minimum(torch.exp(logp - batch.logp_behav), ratio) * batch.loss_mask
+        per_sample_sum.append(float(per_token.sum()))
+        per_sample_tokens.append(float(batch.loss_mask.sum()))
+    expected = {
+        "token-mean": sum(per_sample_sum) / sum(per_sample_tokens),
+        "seq-mean-token-sum": sum(per_sample_sum) / 2,
+        "seq-mean-token-mean": sum(x / n for x, n in zip(per_sample_sum, per_sample_tokens, strict=True)) / 2,
+    }
+    for agg, value in expected.items():
+        learner = Learner(make_cfg(tmp_path, global_batch=2, train_extra=f", loss_agg: {agg}"), "m")
+        learner.accumulate(samples, adv)
+        assert learner.step().loss == pytest.approx(value, rel=1e-4), agg
+    assert len({round(v, 5) for v in expected.values()}) == 3  # the three modes really differ here
 
 
 def test_a_step_over_more_than_global_batch_is_rescaled_to_the_mean(tmp_path):
