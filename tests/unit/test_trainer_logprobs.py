@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.trainer.grpo import ppo_clip_loss
+from services.trainer.grpo import aggregate_loss, policy_loss_terms
 from services.trainer.learner import Collated, Learner, collate
 from services.trainer.logprobs import pack_rows, pack_shared, prompt_groups
 from shared.config import ChorusConfig
@@ -69,8 +69,10 @@ def reference_logprobs(learner: Learner, batch: Collated) -> torch.Tensor:
 def reference_accumulate(learner: Learner, samples: list[Sample], adv: list[float]) -> tuple[float, dict[str, float]]:
     """The previous accumulate: one collated micro-batch, one forward and backward."""
     batch = collate(samples, learner.pad_id)
-    loss, stats = ppo_clip_loss(reference_logprobs(learner, batch), batch.logp_behav, torch.tensor(adv),
-                                batch.loss_mask, learner.clip_eps, learner.global_batch)
+    per_token, stats = policy_loss_terms(reference_logprobs(learner, batch), batch.logp_behav, torch.tensor(adv),
+                                         batch.loss_mask, clip_eps=learner.clip_eps, loss=learner.loss_name,
+                                         clip_ratio_c=learner.clip_ratio_c)
+    loss = aggregate_loss(per_token, batch.loss_mask, learner.loss_agg, learner.global_batch)
     loss.backward()
     return float(loss.detach()), stats
 
@@ -114,6 +116,18 @@ def test_response_log_probs_match_the_full_logits_path(lora):
     assert bool((got[~mask] == 0).all()) and got.dtype == torch.float32
 
 
+def assert_same_stats(learner, ref_stats: dict[str, float]) -> None:
+    """The learner's accumulated statistics (token sums, ``*_max`` maxima) against one reference micro-batch's."""
+    for k, v in ref_stats.items():
+        if k == "tokens":
+            got = learner._tokens
+        elif k.endswith("_max"):
+            got = learner._stats_sum[k]
+        else:
+            got = learner._stats_sum[k] / learner._tokens
+        assert got == pytest.approx(v, rel=1e-5, abs=1e-7), k
+
+
 @pytest.mark.parametrize("lora", CASES, ids=IDS)
 def test_sub_batches_accumulate_the_gradient_of_the_whole_micro_batch(lora):
     new, old = learners(lora)
@@ -122,8 +136,7 @@ def test_sub_batches_accumulate_the_gradient_of_the_whole_micro_batch(lora):
     ref_loss, ref_stats = reference_accumulate(old, samples, ADVANTAGES)
     old.accumulated += len(samples)
     assert loss == pytest.approx(ref_loss, rel=1e-5, abs=1e-7)
-    for k, v in ref_stats.items():
-        assert new._stats_sum[k] / len(samples) == pytest.approx(v, rel=1e-5, abs=1e-7), k
+    assert_same_stats(new, ref_stats)
     g_new, g_old = new.scaled_gradients(), old.scaled_gradients()
     assert g_new.keys() == g_old.keys() and g_new
     if lora is not None:  # both adapters got a gradient, and only adapters did
@@ -189,8 +202,7 @@ def test_samples_sharing_a_prompt_run_it_once_and_give_the_same_gradient(lora, s
     ref_loss, ref_stats = reference_accumulate(old, samples, ADVANTAGES)
     old.accumulated += len(samples)
     assert loss == pytest.approx(ref_loss, rel=1e-5, abs=1e-7)
-    for k, v in ref_stats.items():
-        assert new._stats_sum[k] / len(samples) == pytest.approx(v, rel=1e-5, abs=1e-7), k
+    assert_same_stats(new, ref_stats)
     g_new, g_old = new.scaled_gradients(), old.scaled_gradients()
     assert g_new.keys() == g_old.keys() and g_new
     for name, g in g_old.items():
