@@ -16,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from shared.schemas import MAX_NEW_TOKENS
 from shared.subjects import check_token
 
 
@@ -174,7 +175,7 @@ class WorkflowConfig(Section):
     verifier: str = "verifier"
     concurrency: int = Field(default=8, ge=1)  # K tasks in flight, each with G rollouts
     group_size: int = Field(default=8, ge=1)  # G
-    max_new_tokens: int = Field(default=4, ge=1)
+    max_new_tokens: int = Field(default=4, ge=1, le=MAX_NEW_TOKENS)  # what one generation request may carry
     temperature: float = Field(default=1.0, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     # parallel: group_size independent rollouts per task. tree: one rollout per task; every agent step

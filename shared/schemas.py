@@ -9,6 +9,8 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+MAX_NEW_TOKENS = 4096  # the most new tokens one generation request may ask for
+
 
 class Message(BaseModel):
     """Base of every bus message: strict keys, a schema version serialised as ``schema``, finite numbers only, and
@@ -70,7 +72,7 @@ class GenRequest(Message):
 
     request_id: str
     prompts: list[Array] = Field(max_length=4096)
-    max_new_tokens: int = Field(gt=0, le=4096)
+    max_new_tokens: int = Field(gt=0, le=MAX_NEW_TOKENS)
     temperature: float = Field(default=1.0, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     adapter: str | None = None  # a LoRA adapter of the model; None: the base model with adapters disabled

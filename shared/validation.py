@@ -15,10 +15,10 @@ import math
 import numpy as np
 
 from shared.config import ChorusConfig
-from shared.schemas import Array, Sample
+from shared.schemas import MAX_NEW_TOKENS, Array, Sample
 
 LOGPROB_SLACK = 1e-4  # a behaviour log-prob is <= 0; float rounding may put a certain token a hair above
-MAX_RESPONSE = 4096  # tokens: GenRequest.max_new_tokens is at most this
+MAX_RESPONSE = MAX_NEW_TOKENS  # tokens: GenRequest.max_new_tokens is at most this
 
 
 def finite(value: float) -> bool:

@@ -114,3 +114,16 @@ def test_the_loss_options_have_their_documented_defaults(tmp_path: Path) -> None
     t = load_config(_write(tmp_path, {**BASE, "train": {"loss": "decoupled", "behav_imp_weight_cap": 5.0,
                                                         "clip_ratio_c": None}})).train
     assert (t.loss, t.behav_imp_weight_cap, t.clip_ratio_c) == ("decoupled", 5.0, None)
+
+
+@pytest.mark.parametrize(("workflow", "key"), [
+    ({"top_p": 0.0}, "workflow.top_p"),
+    ({"top_p": 1.5}, "workflow.top_p"),
+    ({"max_new_tokens": 5000}, "workflow.max_new_tokens"),  # a GenRequest carries at most 4096
+    ({"temperature": -1.0}, "workflow.temperature"),
+])
+def test_meaningless_sampling_settings_are_refused_at_load_time_naming_the_key(tmp_path: Path, workflow: dict,
+                                                                               key: str) -> None:
+    with pytest.raises(ConfigError) as exc:
+        load_config(_write(tmp_path, {**BASE, "workflow": workflow}))
+    assert key in str(exc.value)
