@@ -285,6 +285,10 @@ class TrainConfig(Section):
     # once all rollouts of a task are done, and mq dispatches whole groups. trainer: the trainer groups the
     # samples of each micro-batch it receives by (env, agent, turn); mq does not wait for whole groups.
     grouping: Literal["episode", "trainer"] = "episode"
+    # The advantage estimator (docs/algorithms.md#advantages): grpo, dr_grpo (no std normalisation) and rloo within
+    # each AT-GRPO group; reinforce_pp whitens the returns over the whole global batch (the trainer holds a batch's
+    # micro-batches until it is complete, then runs them).
+    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"] = "grpo"
     # The policy loss (docs/algorithms.md). ppo_clip: PPO-clip of pi_theta against the behaviour policy mu
     # (verl's bypass mode). decoupled: decoupled PPO as AReaL implements it, the clip centred on the
     # proximal policy (the weights before the step) and pi_prox / mu as an importance weight.

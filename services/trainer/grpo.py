@@ -12,6 +12,7 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
+from shared.advantages import estimate
 from shared.advantages import group_advantages as shared_group_advantages
 
 # exp() of a log-ratio above this overflows float32 long before it means anything.
@@ -29,16 +30,17 @@ def group_advantages(rewards: torch.Tensor | Sequence[float], group_ids: Sequenc
 
 
 def micro_batch_advantages(rewards: Sequence[float], group_ids: Sequence[Hashable],
-                           given: Sequence[float | None]) -> torch.Tensor:
-    """A_i per sample: ``given[i]`` where the coordinator set it (grouping "episode"), else GRPO over the groups
-    of the samples without one, within this micro-batch (grouping "trainer")."""
+                           given: Sequence[float | None], estimator: str = "grpo") -> torch.Tensor:
+    """A_i per sample: ``given[i]`` where the coordinator set it (grouping "episode"), else the group estimator
+    over the groups of the samples without one, within this micro-batch (grouping "trainer")."""
     if not len(rewards) == len(group_ids) == len(given):
         raise ValueError(f"{len(rewards)} rewards, {len(group_ids)} group ids and {len(given)} advantages: "
                          "expected one of each per sample")
     adv = torch.zeros(len(rewards), dtype=torch.float32)
     todo = [i for i, a in enumerate(given) if a is None]
     if todo:
-        adv[todo] = group_advantages([rewards[i] for i in todo], [group_ids[i] for i in todo])
+        adv[todo] = torch.from_numpy(estimate([rewards[i] for i in todo], [group_ids[i] for i in todo],
+                                              estimator)).to(torch.float32)
     for i, a in enumerate(given):
         if a is not None:
             if not math.isfinite(a):

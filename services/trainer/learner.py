@@ -30,6 +30,7 @@ from services.trainer.logprobs import (
     prompt_groups,
     shared_width,
 )
+from shared.advantages import batch_advantages
 from shared.config import ChorusConfig
 from shared.models import context_length, load_model, load_tokenizer, resolve_device, shipped_tensors
 from shared.schemas import Sample
@@ -122,6 +123,9 @@ class Learner:
         self.clip_eps = train.clip_eps
         self.loss_name, self.loss_agg = train.loss, train.loss_agg
         self.clip_ratio_c, self.behav_imp_weight_cap = train.clip_ratio_c, train.behav_imp_weight_cap
+        # reinforce_pp normalises over the global batch: its samples are held until the batch is in
+        self.batch_level = train.advantage == "reinforce_pp"
+        self._held: list[Sample] = []
         mcfg = cfg.models[model]
         optim = mcfg.optim
         self.grad_clip = optim.grad_clip
@@ -259,8 +263,24 @@ class Learner:
     def ready(self) -> bool:
         return self.accumulated >= self.global_batch
 
+    def hold(self, samples: Sequence[Sample]) -> float:
+        """Keep ``samples`` for the step (reinforce_pp: their advantages need the whole global batch)."""
+        self._held.extend(samples)
+        self.accumulated += len(samples)
+        return 0.0
+
+    def _flush(self) -> None:
+        """Forward/backward of the held samples with REINFORCE++ advantages over all of them."""
+        if not self._held:
+            return
+        held, self._held = self._held, []
+        adv = batch_advantages([s.reward for s in held], [int(s.response_ids.shape[0]) for s in held])
+        self.accumulated -= len(held)  # accumulate counts them again
+        self.accumulate(held, adv.tolist())
+
     def scaled_gradients(self) -> dict[str, torch.Tensor]:
         """The accumulated gradients as the next step applies them (mean over the samples, before clipping)."""
+        self._flush()
         scale = self._scale()
         return {n: p.grad.detach() * scale for n, p in self.net.named_parameters() if p.grad is not None}
 
@@ -268,6 +288,7 @@ class Learner:
         """Apply the optimizer once ``global_batch`` samples are in; returns None while fewer are."""
         if not self.ready():
             return None
+        self._flush()
         n = self.accumulated
         # Each micro-batch divided by global_batch; a different count is renormalised to a mean over n.
         scale = self._scale()
@@ -328,6 +349,7 @@ class Learner:
         self.optimizer.zero_grad(set_to_none=True)
         self.accumulated = 0
         self._tokens = 0.0
+        self._held = []
         self._loss_sum = 0.0
         self._stats_sum = {}
 

@@ -297,8 +297,10 @@ class TrainerService(Service):
     def _accumulate(self, samples: Sequence[Sample], keep_idx: list[int]) -> float:
         """Worker thread: each sample's advantage (the coordinator's, else GRPO over the micro-batch's groups of the
         samples without one), then forward/backward of the kept rows."""
+        if self.learner.batch_level:  # reinforce_pp: advantages over the whole global batch, at the step
+            return self.learner.hold([samples[i] for i in keep_idx])
         adv = micro_batch_advantages([s.reward for s in samples], [s.group_key for s in samples],
-                                     [s.advantage for s in samples])
+                                     [s.advantage for s in samples], self.cfg.train.advantage)
         return self.learner.accumulate([samples[i] for i in keep_idx], [float(adv[i]) for i in keep_idx])
 
     async def _reject(self, msg: Msg, reason: str) -> None:

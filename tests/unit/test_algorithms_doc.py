@@ -1,4 +1,4 @@
-"""docs/algorithms.md documents every loss option the config schema accepts."""
+"""docs/algorithms.md documents every loss and advantage option the config schema accepts."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import typing
 from pathlib import Path
 
 from services.trainer.grpo import AGGREGATIONS, LOSSES
+from shared.advantages import ESTIMATORS
 from shared.config import TrainConfig
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "algorithms.md"
@@ -18,7 +19,8 @@ def _choices(field: str) -> tuple[str, ...]:
 def test_every_loss_and_aggregation_of_the_schema_is_implemented_and_documented():
     text = DOC.read_text()
     assert set(_choices("loss")) == set(LOSSES) and set(_choices("loss_agg")) == set(AGGREGATIONS)
-    for option in (*_choices("loss"), *_choices("loss_agg")):
+    assert set(_choices("advantage")) == set(ESTIMATORS)
+    for option in (*_choices("loss"), *_choices("loss_agg"), *_choices("advantage")):
         assert f"`{option}`" in text, f"docs/algorithms.md does not document {option!r}"
-    for key in ("clip_eps", "clip_ratio_c", "behav_imp_weight_cap", "loss_agg"):
+    for key in ("clip_eps", "clip_ratio_c", "behav_imp_weight_cap", "loss_agg", "advantage"):
         assert f"train.{key}" in text, key

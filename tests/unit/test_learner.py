@@ -392,3 +392,24 @@ def test_a_step_whose_gradient_norm_is_not_finite_is_skipped_and_keeps_the_weigh
 def test_non_finite_rewards_and_advantages_are_not_trainable(field, value, why):
     s = make_sample(0).model_copy(update={field: value})
     assert why in (validate_sample(s, VOCAB_SIZE, None) or "")
+
+
+def test_reinforce_pp_holds_the_micro_batches_and_trains_on_batch_whitened_returns(tmp_path):
+    from shared.advantages import batch_advantages
+
+    cfg = make_cfg(tmp_path, global_batch=8, train_extra=", advantage: reinforce_pp")
+    samples = [make_sample(i, resp_len=2 + i % 3) for i in range(8)]
+    held = Learner(cfg, "m")
+    assert held.batch_level
+    assert held.hold(samples[:4]) == 0.0 and held.step() is None  # 4 of 8: nothing runs yet
+    assert all(p.grad is None for p in held.net.parameters())
+    held.hold(samples[4:])
+    # the same as accumulating the whole batch at once with the advantages whitened over its tokens
+    ref = Learner(make_cfg(tmp_path, global_batch=8), "m")
+    adv = batch_advantages([s.reward for s in samples], [s.response_ids.shape[0] for s in samples])
+    ref.accumulate(samples, adv.tolist())
+    g_held, g_ref = held.scaled_gradients(), ref.scaled_gradients()
+    for name, g in g_ref.items():
+        assert torch.allclose(g, g_held[name], rtol=1e-4, atol=1e-8), name
+    r = held.step()
+    assert r is not None and r.version == 1 and r.samples == 8

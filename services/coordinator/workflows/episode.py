@@ -34,7 +34,7 @@ from services.coordinator.workflows.api import (
     WorkflowTimeout,
 )
 from services.coordinator.workflows.scoring import check
-from shared.advantages import group_advantages
+from shared.advantages import GROUP_ESTIMATORS, estimate
 from shared.config import ChorusConfig
 from shared.models import Tokenizer
 from shared.schemas import Array, Sample
@@ -118,7 +118,7 @@ async def run_episode(
     else:
         ep = to_episode(cfg, task, env_idx, trajectories, ctxs, dict(versions()), seconds)
     if cfg.train.grouping == "episode":
-        with_advantages(ep.samples)
+        with_advantages(ep.samples, cfg.train.advantage)
     return ep
 
 
@@ -127,9 +127,12 @@ async def step_rewards(ctx: Context, task: Task, texts: list[str], finished: lis
     return [s.reward for s in await check(ctx, task, texts, finished)]
 
 
-def with_advantages(samples: list[Sample]) -> None:
-    """Episode-complete dispatch: set every sample's GRPO advantage within its (env, agent, turn) group."""
-    adv = group_advantages([s.reward for s in samples], [s.group_key for s in samples])
+def with_advantages(samples: list[Sample], estimator: str = "grpo") -> None:
+    """Episode-complete dispatch: set every sample's advantage within its (env, agent, turn) group (a group
+    estimator; reinforce_pp's are the trainer's, over its global batch)."""
+    if estimator not in GROUP_ESTIMATORS:
+        return
+    adv = estimate([s.reward for s in samples], [s.group_key for s in samples], estimator)
     for s, a in zip(samples, adv, strict=True):
         s.advantage = float(a)
 
