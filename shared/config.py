@@ -299,6 +299,9 @@ class TrainConfig(Section):
     clip_ratio_c: float | None = Field(default=3.0, gt=1.0)
     # decoupled only: tokens whose pi_prox / mu exceeds this leave the loss (null: no cap)
     behav_imp_weight_cap: float | None = Field(default=None, gt=1.0)
+    # entropy bonus: the loss minus entropy_coef times the policy's entropy at the response positions, aggregated
+    # as the policy loss (0: none; the entropy is logged either way)
+    entropy_coef: float = Field(default=0.0, ge=0.0)
     # Every version is committed to the object store (weights and optimizer) before its micro-batches are acked;
     # this adds a file runs/<id>/checkpoints/<model>/v<N>.pt every this many versions (0 = never).
     checkpoint_every: int = Field(default=25, ge=0)

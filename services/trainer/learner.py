@@ -123,6 +123,7 @@ class Learner:
         self.clip_eps = train.clip_eps
         self.loss_name, self.loss_agg = train.loss, train.loss_agg
         self.clip_ratio_c, self.behav_imp_weight_cap = train.clip_ratio_c, train.behav_imp_weight_cap
+        self.entropy_coef = train.entropy_coef
         # reinforce_pp normalises over the global batch: its samples are held until the batch is in
         self.batch_level = train.advantage == "reinforce_pp"
         self._held: list[Sample] = []
@@ -144,6 +145,7 @@ class Learner:
         self.vocab_size = int(self.net.get_input_embeddings().num_embeddings)
         self.context = context_length(self.net)
         self.scorer = ResponseScorer(self.net, self.temperature)
+        self.scorer.entropy = "bonus" if train.entropy_coef > 0 else "metric"
         self.pad_bound = PAD_BOUND  # inf: every micro-batch in one pass
         self.share_prompts = True  # samples with one prompt run it once (False: one row per sample)
         self.trainable = [p for p in self.net.parameters() if p.requires_grad]
@@ -230,7 +232,15 @@ class Learner:
         per_token, stats = policy_loss_terms(logp, logp_behav, adv, mask, clip_eps=self.clip_eps, loss=self.loss_name,
                                              logp_prox=prox, clip_ratio_c=self.clip_ratio_c,
                                              behav_imp_weight_cap=self.behav_imp_weight_cap)
-        return aggregate_loss(per_token, mask, self.loss_agg, self.global_batch), stats
+        loss = aggregate_loss(per_token, mask, self.loss_agg, self.global_batch)
+        entropy = self.scorer.last_entropy
+        if entropy is not None:
+            mask = mask.to(entropy.dtype)
+            stats["entropy"] = float((entropy.detach() * mask).sum() / mask.sum().clamp(min=1.0))
+            if self.entropy_coef > 0:
+                # L = L_pg - c_H * agg(H_t): maximising the entropy of the policy at the response positions
+                loss = loss - self.entropy_coef * aggregate_loss(entropy * mask, mask, self.loss_agg, self.global_batch)
+        return loss, stats
 
     def _add_stats(self, n: int, loss_sum: float, parts: Sequence[dict[str, float]]) -> None:
         self.accumulated += n

@@ -68,6 +68,10 @@ class ResponseScorer:
         self.head: torch.nn.Module = lm.get_output_embeddings()  # type: ignore[operator]
         # lm_head among the LoRA target modules: the head routes rows itself, one adapter per position.
         self.head_routed = self.peft and hasattr(self.head, "lora_A")
+        # The entropy H_t = -sum_v p log p of each scored position (same layout as the log-probs) is kept in
+        # ``last_entropy`` after each call: "metric" without gradient, "bonus" with it, None not computed.
+        self.entropy: str | None = None
+        self.last_entropy: torch.Tensor | None = None
 
     def __call__(self, input_ids: torch.Tensor, targets: torch.Tensor, loss_mask: torch.Tensor,
                  adapters: Sequence[str] | None = None) -> torch.Tensor:
@@ -83,6 +87,7 @@ class ResponseScorer:
             self._full_forward(input_ids, adapters)[rows, cols]
         logp = torch.log_softmax(logits.float() / self.temperature, dim=-1)
         picked = logp.gather(-1, targets[rows, cols].unsqueeze(-1)).squeeze(-1)
+        self._keep_entropy(logp, loss_mask.shape, (rows, cols))
         return picked.new_zeros(loss_mask.shape).index_put((rows, cols), picked)
 
     def shared(self, batch: SharedBatch, adapters: Sequence[str] | None = None) -> torch.Tensor:
@@ -98,7 +103,17 @@ class ResponseScorer:
             logits = self.head(h)
         logp = torch.log_softmax(logits.float() / self.temperature, dim=-1)
         picked = logp.gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1)
+        self._keep_entropy(logp, batch.loss_mask.shape, (batch.dst_sample, batch.dst_pos))
         return picked.new_zeros(batch.loss_mask.shape).index_put((batch.dst_sample, batch.dst_pos), picked)
+
+    def _keep_entropy(self, logp: torch.Tensor, shape: Any, index: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """H_t = -sum_v p_v log p_v of the policy scored (after temperature), at the scored positions."""
+        if self.entropy is None:
+            self.last_entropy = None
+            return
+        with torch.set_grad_enabled(self.entropy == "bonus" and torch.is_grad_enabled()):
+            ent = -(logp.exp() * logp).sum(-1)
+        self.last_entropy = ent.new_zeros(shape).index_put(index, ent)
 
     def _routing(self, adapters: Sequence[str] | None) -> contextlib.AbstractContextManager[Any]:
         """peft's hooks that hand each LoRA layer the adapter of every row (what PeftModel.forward does)."""

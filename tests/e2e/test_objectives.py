@@ -1,5 +1,5 @@
-"""The tiny two-model run learns under the other objectives: AReaL's decoupled loss (with an importance-weight cap
-and token-mean aggregation) and REINFORCE++ advantages, each through `chorus up`."""
+"""The tiny two-model run learns under the other objectives: AReaL's decoupled loss (with an importance-weight cap,
+token-mean aggregation and an entropy bonus) and REINFORCE++ advantages, each through `chorus up`."""
 
 from __future__ import annotations
 
@@ -19,11 +19,11 @@ CHORUS = str(Path(sys.executable).parent / "chorus")
 MODELS = ["solver_lm", "verifier_lm"]
 VERSIONS = 100
 STEP_METRICS = ("loss", "grad_norm", "tokens", "clip_frac", "dual_clip_frac", "ratio_mean", "approx_kl_mu",
-                "is_weight_mean", "is_weight_max")
+                "is_weight_mean", "is_weight_max", "entropy")
 
 
 @pytest.mark.parametrize(("train", "extra_metrics"), [
-    ({"loss": "decoupled", "behav_imp_weight_cap": 5.0, "loss_agg": "token-mean"},
+    ({"loss": "decoupled", "behav_imp_weight_cap": 5.0, "loss_agg": "token-mean", "entropy_coef": 0.001},
      ("approx_kl_prox", "is_weight_capped_frac")),
     ({"advantage": "reinforce_pp"}, ()),
 ], ids=["decoupled", "reinforce_pp"])

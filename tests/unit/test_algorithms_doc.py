@@ -22,5 +22,5 @@ def test_every_loss_and_aggregation_of_the_schema_is_implemented_and_documented(
     assert set(_choices("advantage")) == set(ESTIMATORS)
     for option in (*_choices("loss"), *_choices("loss_agg"), *_choices("advantage")):
         assert f"`{option}`" in text, f"docs/algorithms.md does not document {option!r}"
-    for key in ("clip_eps", "clip_ratio_c", "behav_imp_weight_cap", "loss_agg", "advantage"):
+    for key in ("clip_eps", "clip_ratio_c", "behav_imp_weight_cap", "loss_agg", "advantage", "entropy_coef"):
         assert f"train.{key}" in text, key

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -413,3 +415,31 @@ def test_reinforce_pp_holds_the_micro_batches_and_trains_on_batch_whitened_retur
         assert torch.allclose(g, g_held[name], rtol=1e-4, atol=1e-8), name
     r = held.step()
     assert r is not None and r.version == 1 and r.samples == 8
+
+
+def _response_entropy(learner: Learner, samples: list[Sample]) -> float:
+    """Token mean of -sum_v p log p at the response positions, from a plain forward of the whole model."""
+    batch = collate(samples, learner.pad_id)
+    with torch.no_grad():
+        logits = learner.net(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1].float()
+        logp = torch.log_softmax(logits / learner.temperature, dim=-1)
+        h = -(logp.exp() * logp).sum(-1)
+    return float((h * batch.loss_mask).sum() / batch.loss_mask.sum())
+
+
+def test_the_entropy_is_logged_and_its_bonus_alone_raises_it(tmp_path):
+    samples = [make_sample(i, resp_len=3 + i % 2) for i in range(4)]
+    # A uniform policy over V tokens has entropy log V: the random tiny model is close to it, but not at it.
+    plain = Learner(make_cfg(tmp_path, global_batch=4, temperature=0.7), "m")
+    before = _response_entropy(plain, samples)
+    plain.accumulate(samples, [1.0, -1.0, 0.5, -0.5])
+    r = plain.step()
+    assert r.stats["entropy"] == pytest.approx(before, rel=1e-4) and 0 < before < math.log(VOCAB_SIZE)
+    # advantages 0: the policy term has no gradient, only the bonus moves the weights, towards more entropy
+    bonus = Learner(make_cfg(tmp_path, global_batch=4, temperature=0.7, lr=1e-4,
+                             train_extra=", entropy_coef: 0.1"), "m")
+    start = _response_entropy(bonus, samples)
+    bonus.accumulate(samples, [0.0] * 4)
+    r = bonus.step()
+    assert r.loss == pytest.approx(-0.1 * start, rel=1e-4)  # seq-mean-token-mean of H, times -c
+    assert r.grad_norm > 0 and _response_entropy(bonus, samples) > start
