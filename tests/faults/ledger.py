@@ -81,8 +81,10 @@ class Ledger:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._poll
         if self.nc is not None:
+            # nats-py can wait for ever on the transport of a broker that was killed (a reconnect stuck in
+            # wait_closed, nats-io/nats.py#671): closing is bounded, the connection is dropped either way.
             with contextlib.suppress(Exception):
-                await self.nc.close()
+                await asyncio.wait_for(self.nc.close(), 5)
 
     async def _on_sample(self, msg: Any) -> None:
         with contextlib.suppress(DecodeError):
