@@ -22,8 +22,9 @@ import numpy as np
 EPS = 1e-6
 
 
-def group_advantages(rewards: Sequence[float] | Any, group_ids: Sequence[Hashable], eps: float = EPS) -> np.ndarray:
-    """A_i = (r_i - mean_g(r)) / (std_g(r) + eps), population std per group; singleton/constant groups get 0."""
+def _grouped(rewards: Sequence[float] | Any,
+             group_ids: Sequence[Hashable]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(r, g, count, mean): the rewards, each one's group index, and each group's size and mean reward."""
     r = np.asarray(rewards, dtype=np.float64).reshape(-1)
     if len(group_ids) != r.size:
         raise ValueError(f"{r.size} rewards but {len(group_ids)} group ids")
@@ -31,7 +32,13 @@ def group_advantages(rewards: Sequence[float] | Any, group_ids: Sequence[Hashabl
     g = np.fromiter((index.setdefault(k, len(index)) for k in group_ids), dtype=np.int64, count=r.size)
     count = np.bincount(g, minlength=len(index)).astype(np.float64)
     mean = np.bincount(g, weights=r, minlength=len(index)) / np.maximum(count, 1)
-    var = np.bincount(g, weights=(r - mean[g]) ** 2, minlength=len(index)) / np.maximum(count, 1)
+    return r, g, count, mean
+
+
+def group_advantages(rewards: Sequence[float] | Any, group_ids: Sequence[Hashable], eps: float = EPS) -> np.ndarray:
+    """A_i = (r_i - mean_g(r)) / (std_g(r) + eps), population std per group; singleton/constant groups get 0."""
+    r, g, count, mean = _grouped(rewards, group_ids)
+    var = np.bincount(g, weights=(r - mean[g]) ** 2, minlength=count.size) / np.maximum(count, 1)
     std = np.sqrt(var)
     adv = (r - mean[g]) / (std[g] + eps)
     # A group of one, or one where every reward is equal, carries no learning signal.
@@ -51,13 +58,7 @@ def estimate(rewards: Sequence[float] | Any, group_ids: Sequence[Hashable], esti
     if estimator not in GROUP_ESTIMATORS:
         raise ValueError(f"advantage estimator {estimator!r} is not one of {GROUP_ESTIMATORS} (reinforce_pp "
                          "normalises over the global batch: batch_advantages)")
-    r = np.asarray(rewards, dtype=np.float64).reshape(-1)
-    if len(group_ids) != r.size:
-        raise ValueError(f"{r.size} rewards but {len(group_ids)} group ids")
-    index: dict[Hashable, int] = {}
-    g = np.fromiter((index.setdefault(k, len(index)) for k in group_ids), dtype=np.int64, count=r.size)
-    count = np.bincount(g, minlength=len(index)).astype(np.float64)
-    mean = np.bincount(g, weights=r, minlength=len(index)) / np.maximum(count, 1)
+    r, g, count, mean = _grouped(rewards, group_ids)
     centred = r - mean[g]
     if estimator == "rloo":  # r_i - mean of the others = G / (G - 1) * (r_i - mean)
         centred = centred * count[g] / np.maximum(count[g] - 1, 1)
