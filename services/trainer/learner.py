@@ -154,8 +154,7 @@ class Learner:
         self.version = 0
         self.accumulated = 0
         self._loss_sum = 0.0
-        self._tokens = 0.0  # response tokens accumulated for the next step (token-mean divides by them)
-        self._stats_sum: dict[str, float] = {}
+        self._parts: list[dict[str, float]] = []  # loss statistics of each sub-batch since the last step
 
     def validate(self, sample: Sample) -> str | None:
         """Why this learner cannot train on ``sample`` (ids outside its vocabulary, an adapter it lacks), or None."""
@@ -245,14 +244,12 @@ class Learner:
     def _add_stats(self, n: int, loss_sum: float, parts: Sequence[dict[str, float]]) -> None:
         self.accumulated += n
         self._loss_sum += loss_sum
-        merged = merge_token_stats(parts)
-        tokens = merged.pop("tokens", 0.0)
-        self._tokens += tokens
-        for k, v in merged.items():  # token means of the micro-batch: weighted by its tokens, like sub-batches
-            if k.endswith("_max"):
-                self._stats_sum[k] = max(self._stats_sum.get(k, v), v)
-            else:
-                self._stats_sum[k] = self._stats_sum.get(k, 0.0) + v * tokens
+        self._parts.extend(parts)
+
+    @property
+    def _tokens(self) -> float:
+        """Response tokens accumulated for the next step (token-mean divides by them)."""
+        return sum(p["tokens"] for p in self._parts)
 
     def _scale(self) -> float:
         """What the accumulated gradients are multiplied by at the step: each micro-batch was divided by
@@ -317,13 +314,11 @@ class Learner:
             self.optimizer.step()
             self.version += 1
         self.optimizer.zero_grad(set_to_none=True)
-        stats = {k: (v if k.endswith("_max") else v / max(self._tokens, 1.0)) for k, v in self._stats_sum.items()}
-        stats["tokens"] = self._tokens
+        stats = {"tokens": 0.0, **merge_token_stats(self._parts)}  # token means over the step, *_max its largest
         result = StepResult(self.version, n, self._loss_sum * scale, grad_norm, stats, skipped)
         self.accumulated = 0
-        self._tokens = 0.0
         self._loss_sum = 0.0
-        self._stats_sum = {}
+        self._parts = []
         return result
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
@@ -358,10 +353,9 @@ class Learner:
         self.version = int(state["version"])
         self.optimizer.zero_grad(set_to_none=True)
         self.accumulated = 0
-        self._tokens = 0.0
         self._held = []
         self._loss_sum = 0.0
-        self._stats_sum = {}
+        self._parts = []
 
     # --- checkpoints ----------------------------------------------------------------------
     def save_checkpoint(self, directory: Path) -> Path:

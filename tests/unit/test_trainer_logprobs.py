@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.trainer.grpo import aggregate_loss, policy_loss_terms
-from services.trainer.learner import Collated, Learner, collate
+from services.trainer.learner import Collated, Learner, collate, merge_token_stats
 from services.trainer.logprobs import pack_rows, pack_shared, prompt_groups
 from shared.config import ChorusConfig
 from shared.schemas import Array, Sample
@@ -117,15 +117,11 @@ def test_response_log_probs_match_the_full_logits_path(lora):
 
 
 def assert_same_stats(learner, ref_stats: dict[str, float]) -> None:
-    """The learner's accumulated statistics (token sums, ``*_max`` maxima) against one reference micro-batch's."""
+    """The learner's accumulated statistics (token means, ``*_max`` maxima, token count) against one reference
+    micro-batch's."""
+    merged = merge_token_stats(learner._parts)
     for k, v in ref_stats.items():
-        if k == "tokens":
-            got = learner._tokens
-        elif k.endswith("_max"):
-            got = learner._stats_sum[k]
-        else:
-            got = learner._stats_sum[k] / learner._tokens
-        assert got == pytest.approx(v, rel=1e-5, abs=1e-7), k
+        assert merged[k] == pytest.approx(v, rel=1e-5, abs=1e-7), k
 
 
 @pytest.mark.parametrize("lora", CASES, ids=IDS)
