@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
 from tests.conftest import ROOT
+
+CHORUS = str(Path(sys.executable).parent / "chorus")
 
 pytestmark = pytest.mark.e2e
 
@@ -22,3 +28,12 @@ def small_run_config(tmp_path: Path, run_id: str, **train: object) -> Path:
     path = tmp_path / f"{run_id}.yaml"
     path.write_text(yaml.safe_dump(base))
     return path
+
+
+async def chorus_up(config: Path, nats_url: str, timeout_s: int) -> tuple[int | None, str]:
+    """`chorus up <config>` against the test's broker, the way a user starts it: its exit code and output."""
+    proc = await asyncio.create_subprocess_exec(CHORUS, "up", str(config), "--timeout-s", str(timeout_s),
+                                                env={**os.environ, "CHORUS_NATS__URL": nats_url},
+                                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    out, _ = await proc.communicate()
+    return proc.returncode, out.decode(errors="replace")

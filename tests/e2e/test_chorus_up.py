@@ -2,21 +2,15 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import nats
 
 from shared.codec import decode
 from shared.plotting import summarize
 from shared.schemas import Sample
-from tests.e2e.conftest import small_run_config
+from tests.e2e.conftest import chorus_up, small_run_config
 
-CHORUS = str(Path(sys.executable).parent / "chorus")
 MODELS = ["solver_lm", "verifier_lm"]
 
 
@@ -42,15 +36,9 @@ async def test_short_tiny_chain_run_learns_on_both_models(nats_url, run_id, tmp_
 
     await nc.subscribe("chorus.*.traj.*", cb=on_msg)
     await nc.subscribe("chorus.*.events.trainer", cb=on_msg)
-    env = {**os.environ, "CHORUS_NATS__URL": nats_url}
-    proc = await asyncio.create_subprocess_exec(
-        CHORUS, "up", str(cfg), "--timeout-s", "420",
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-    )
-    out, _ = await proc.communicate()
+    code, text = await chorus_up(cfg, nats_url, 420)
     await nc.close()
-    text = out.decode(errors="replace")
-    assert proc.returncode == 0, text[-4000:]
+    assert code == 0, text[-4000:]
 
     run_dirs = sorted((tmp_path / "runs").glob(f"{run_id}-*"))
     assert run_dirs, text[-2000:]

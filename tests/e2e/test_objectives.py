@@ -3,19 +3,13 @@ token-mean aggregation and an entropy bonus) and REINFORCE++ advantages, each th
 
 from __future__ import annotations
 
-import asyncio
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from shared.plotting import summarize
-from tests.e2e.conftest import small_run_config
+from tests.e2e.conftest import chorus_up, small_run_config
 
-CHORUS = str(Path(sys.executable).parent / "chorus")
 MODELS = ["solver_lm", "verifier_lm"]
 VERSIONS = 100
 STEP_METRICS = ("loss", "grad_norm", "tokens", "clip_frac", "dual_clip_frac", "ratio_mean", "approx_kl_mu",
@@ -29,12 +23,8 @@ STEP_METRICS = ("loss", "grad_norm", "tokens", "clip_frac", "dual_clip_frac", "r
 ], ids=["decoupled", "reinforce_pp"])
 async def test_the_tiny_run_learns_with_the_objective(nats_url, run_id, tmp_path, train, extra_metrics):
     cfg = small_run_config(tmp_path, run_id, max_versions=VERSIONS, **train)
-    env = {**os.environ, "CHORUS_NATS__URL": nats_url}
-    proc = await asyncio.create_subprocess_exec(CHORUS, "up", str(cfg), "--timeout-s", "300", env=env,
-                                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    out, _ = await proc.communicate()
-    text = out.decode(errors="replace")
-    assert proc.returncode == 0, text[-4000:]
+    code, text = await chorus_up(cfg, nats_url, 300)
+    assert code == 0, text[-4000:]
     run_dir = sorted((tmp_path / "runs").glob(f"{run_id}-*"))[-1]
     summary = summarize(run_dir / "metrics.jsonl")
     for m in MODELS:

@@ -3,11 +3,7 @@ few steps through `chorus up`."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import os
-import subprocess
-import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,10 +17,10 @@ from shared.codec import decode
 from shared.schemas import Sample
 from shared.tokenizer import ByteTokenizer
 from tests.conftest import ROOT
+from tests.e2e.conftest import chorus_up
 
 pytestmark = pytest.mark.e2e
 
-CHORUS = str(Path(sys.executable).parent / "chorus")
 VERSIONS = 3
 
 
@@ -77,14 +73,10 @@ async def run_config(name: str, nats_url: str, run_id: str, tmp_path: Path) -> S
     nc = await nats.connect(nats_url)
     await nc.subscribe("chorus.*.traj.*", cb=on_msg)
     await nc.subscribe("chorus.*.events.trainer", cb=on_msg)
-    env = {**os.environ, "CHORUS_NATS__URL": nats_url}
-    proc = await asyncio.create_subprocess_exec(CHORUS, "up", str(cfg), "--timeout-s", "240", env=env,
-                                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    out, _ = await proc.communicate()
+    code, text = await chorus_up(cfg, nats_url, 240)
     await nc.flush()
     await nc.close()
-    text = out.decode(errors="replace")
-    assert proc.returncode == 0, f"chorus up {name} failed:\n{text[-4000:]}"
+    assert code == 0, f"chorus up {name} failed:\n{text[-4000:]}"
     models = yaml.safe_load(cfg.read_text())["models"]
     for m in models:
         versions = [s["version"] for s in seen.steps if s["model"] == m]

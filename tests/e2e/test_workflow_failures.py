@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import yaml
 
-from tests.e2e.conftest import small_run_config
+from tests.e2e.conftest import chorus_up, small_run_config
 
-CHORUS = str(Path(sys.executable).parent / "chorus")
 MAX_FAILURES = 6
 
 RAISING = '''
@@ -34,12 +28,8 @@ async def test_a_workflow_that_raises_stops_the_run_with_its_error_after_max_fai
     for key in ("rounds", "echo_chars"):
         cfg["workflow"].pop(key, None)
     path.write_text(yaml.safe_dump(cfg))
-    env = {**os.environ, "CHORUS_NATS__URL": nats_url}
-    proc = await asyncio.create_subprocess_exec(CHORUS, "up", str(path), "--timeout-s", "240", env=env,
-                                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    out, _ = await proc.communicate()
-    text = out.decode(errors="replace")
-    assert proc.returncode == 1, text[-4000:]
+    code, text = await chorus_up(path, nats_url, 240)
+    assert code == 1, text[-4000:]
     assert "coordinator-0 stopped the run (exit 78" in text, text[-4000:]
     assert "restarting it in" not in text  # a failing workflow is not a crash to restart
     run_dir = sorted((tmp_path / "runs").glob(f"{run_id}-*"))[-1]
