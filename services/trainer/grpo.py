@@ -12,21 +12,21 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
-from shared.advantages import estimate
-from shared.advantages import group_advantages as shared_group_advantages
+from shared.advantages import EPS, estimate
 
 # exp() of a log-ratio above this overflows float32 long before it means anything.
 _MAX_LOG_RATIO = 20.0
 
 
 def group_advantages(rewards: torch.Tensor | Sequence[float], group_ids: Sequence[Hashable],
-                     eps: float = 1e-6) -> torch.Tensor:
-    """A_i = (r_i - mean_g(r)) / (std_g(r) + eps), population std per group; singleton/constant groups get 0.
+                     eps: float = EPS, estimator: str = "grpo") -> torch.Tensor:
+    """A_i of a group estimator within each group, float32; GRPO by default: A_i = (r_i - mean_g(r)) /
+    (std_g(r) + eps), population std per group; singleton/constant groups get 0.
 
-    The formula lives in :mod:`shared.advantages`, shared with the coordinator's episode-complete grouping.
+    The formulas live in :mod:`shared.advantages`, shared with the coordinator's episode-complete grouping.
     """
     r = rewards.detach().cpu() if isinstance(rewards, torch.Tensor) else rewards
-    return torch.from_numpy(shared_group_advantages(r, group_ids, eps)).to(torch.float32)
+    return torch.from_numpy(estimate(r, group_ids, estimator, eps)).to(torch.float32)
 
 
 def micro_batch_advantages(rewards: Sequence[float], group_ids: Sequence[Hashable],
@@ -39,8 +39,7 @@ def micro_batch_advantages(rewards: Sequence[float], group_ids: Sequence[Hashabl
     adv = torch.zeros(len(rewards), dtype=torch.float32)
     todo = [i for i, a in enumerate(given) if a is None]
     if todo:
-        adv[todo] = torch.from_numpy(estimate([rewards[i] for i in todo], [group_ids[i] for i in todo],
-                                              estimator)).to(torch.float32)
+        adv[todo] = group_advantages([rewards[i] for i in todo], [group_ids[i] for i in todo], estimator=estimator)
     for i, a in enumerate(given):
         if a is not None:
             if not math.isfinite(a):
