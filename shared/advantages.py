@@ -7,7 +7,9 @@ Symbols: r_i the reward of sample i, g its AT-GRPO group (one environment, agent
 - dr_grpo (Liu et al. 2025):     A_i = r_i - mean_g r  (no std normalisation)
 - rloo (Ahmadian et al. 2024):   A_i = r_i - mean_{j in g, j != i} r_j = G_g / (G_g - 1) * (r_i - mean_g r)
 - reinforce_pp (Hu 2025):        A_i = (R_i - mean_B R) / (std_B R + eps) over the response tokens of the whole
-  global batch B, R_i the return of every token of sample i (the outcome reward, gamma 1): no groups.
+  global batch B, R_i the return of every token of sample i (the outcome reward, gamma 1): no groups. With a
+  per-token reward penalty p_t (KL to the reference, ``train.kl_in: reward``) the return of token t is
+  R_it = r_i - sum_{s >= t} p_is, whitened the same way (:func:`batch_token_advantages`).
 
 A group of one sample, or one whose rewards are all equal, gets A = 0 in the group estimators.
 """
@@ -81,3 +83,23 @@ def batch_advantages(rewards: Sequence[float] | Any, tokens: Sequence[int], eps:
     if std == 0.0:
         return np.zeros_like(r)
     return (r - mean) / (std + eps)
+
+
+def batch_token_advantages(rewards: Sequence[float] | Any, penalties: Sequence[np.ndarray],
+                           eps: float = EPS) -> list[np.ndarray]:
+    """REINFORCE++ with per-token rewards: sample i's outcome reward r_i on its last token and ``-penalties[i][t]``
+    on every token t, so its return at token t (gamma 1) is R_it = r_i - sum_{s >= t} p_is; the returns are
+    whitened over all response tokens of the batch (mean and population std). One array per sample; a batch whose
+    returns are all equal gets zeros. With zero penalties it is :func:`batch_advantages` on every token."""
+    r = np.asarray(rewards, dtype=np.float64).reshape(-1)
+    if len(penalties) != r.size:
+        raise ValueError(f"{r.size} rewards but {len(penalties)} penalty arrays")
+    returns = [ri - np.cumsum(np.asarray(p, dtype=np.float64)[::-1])[::-1] for ri, p in zip(r, penalties, strict=True)]
+    flat = np.concatenate(returns) if returns else np.zeros(0)
+    if flat.size == 0:
+        return [np.zeros(0) for _ in returns]
+    mean = float(flat.mean())
+    std = float(np.sqrt(((flat - mean) ** 2).mean()))
+    if std == 0.0:
+        return [np.zeros_like(g) for g in returns]
+    return [(g - mean) / (std + eps) for g in returns]

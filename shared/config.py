@@ -127,6 +127,10 @@ class ModelConfig(Section):
     lora: LoraSection | None = None  # set: the base is frozen and each agent's adapter is trained
     rollouter: RolloutSection = Field(default_factory=RolloutSection)
     optim: OptimSection = Field(default_factory=OptimSection)
+    # this model's own policy loss and regularisers: any key of train that OBJECTIVE_KEYS lists (loss, loss_agg,
+    # clip_eps, clip_ratio_c, behav_imp_weight_cap, entropy_coef, kl_coef, kl_estimator, kl_in); the rest of
+    # train.* is one for the run
+    train: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _path_for_hf(self) -> ModelConfig:
@@ -271,7 +275,42 @@ class EvalSection(Section):
     final_timeout_s: float = Field(default=300.0, gt=0)  # how long `chorus up` waits for the last evaluation
 
 
-class TrainConfig(Section):
+class Objective(Section):
+    """The policy loss and its regularisers (docs/algorithms.md): ``train.<key>`` for every model,
+    ``models.<m>.train.<key>`` for one model."""
+
+    # The policy loss (docs/algorithms.md). ppo_clip: PPO-clip of pi_theta against the behaviour policy mu
+    # (verl's bypass mode). decoupled: decoupled PPO as AReaL implements it, the clip centred on the
+    # proximal policy (the weights before the step) and pi_prox / mu as an importance weight.
+    loss: Literal["ppo_clip", "decoupled"] = "ppo_clip"
+    loss_agg: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum"] = "seq-mean-token-mean"
+    clip_eps: float = Field(default=0.2, gt=0.0, lt=1.0)
+    # dual-clip: a negative-advantage token's loss is at most clip_ratio_c * |A| (null: off); verl's default 3
+    clip_ratio_c: float | None = Field(default=3.0, gt=1.0)
+    # decoupled only: tokens whose pi_prox / mu exceeds this leave the loss (null: no cap)
+    behav_imp_weight_cap: float | None = Field(default=None, gt=1.0)
+    # entropy bonus: the loss minus entropy_coef times the policy's entropy at the response positions, aggregated
+    # as the policy loss (0: none; the entropy is logged either way)
+    entropy_coef: float = Field(default=0.0, ge=0.0)
+    # KL to the reference policy (the frozen base of a LoRA model, its adapters disabled; a frozen copy of the
+    # initial weights otherwise). 0: off, no reference is kept. kl_in loss: kl_coef * agg(k_t) is added to the
+    # loss; reward: kl_coef * sum_t k_t(mu, ref) is subtracted from each sample's reward before its advantage.
+    kl_coef: float = Field(default=0.0, ge=0.0)
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_in: Literal["loss", "reward"] = "loss"
+
+    @model_validator(mode="after")
+    def _loss_options(self) -> Objective:
+        if self.behav_imp_weight_cap is not None and self.loss != "decoupled":
+            raise ValueError(f"behav_imp_weight_cap: caps the importance weight pi_prox / mu of the decoupled loss, "
+                             f"but loss is {self.loss!r}; set loss: decoupled or remove the cap")
+        return self
+
+
+OBJECTIVE_KEYS = tuple(Objective.model_fields)
+
+
+class TrainConfig(Objective):
     max_versions: int = Field(default=50, ge=1)
     global_batch: int = Field(default=64, ge=1)  # samples per optimizer step
     micro_batch: int = Field(default=32, ge=1)  # samples per micro-batch from mq (whole groups)
@@ -289,31 +328,11 @@ class TrainConfig(Section):
     # each AT-GRPO group; reinforce_pp whitens the returns over the whole global batch (the trainer holds a batch's
     # micro-batches until it is complete, then runs them).
     advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"] = "grpo"
-    # The policy loss (docs/algorithms.md). ppo_clip: PPO-clip of pi_theta against the behaviour policy mu
-    # (verl's bypass mode). decoupled: decoupled PPO as AReaL implements it, the clip centred on the
-    # proximal policy (the weights before the step) and pi_prox / mu as an importance weight.
-    loss: Literal["ppo_clip", "decoupled"] = "ppo_clip"
-    loss_agg: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum"] = "seq-mean-token-mean"
-    clip_eps: float = Field(default=0.2, gt=0.0, lt=1.0)
-    # dual-clip: a negative-advantage token's loss is at most clip_ratio_c * |A| (null: off); verl's default 3
-    clip_ratio_c: float | None = Field(default=3.0, gt=1.0)
-    # decoupled only: tokens whose pi_prox / mu exceeds this leave the loss (null: no cap)
-    behav_imp_weight_cap: float | None = Field(default=None, gt=1.0)
-    # entropy bonus: the loss minus entropy_coef times the policy's entropy at the response positions, aggregated
-    # as the policy loss (0: none; the entropy is logged either way)
-    entropy_coef: float = Field(default=0.0, ge=0.0)
     # Every version is committed to the object store (weights and optimizer) before its micro-batches are acked;
     # this adds a file runs/<id>/checkpoints/<model>/v<N>.pt every this many versions (0 = never).
     checkpoint_every: int = Field(default=25, ge=0)
     threads: int = Field(default=1, ge=1)
     ack_wait_s: float = 60.0
-
-    @model_validator(mode="after")
-    def _loss_options(self) -> TrainConfig:
-        if self.behav_imp_weight_cap is not None and self.loss != "decoupled":
-            raise ValueError(f"behav_imp_weight_cap: caps the importance weight pi_prox / mu of the decoupled loss, "
-                             f"but train.loss is {self.loss!r}; set train.loss: decoupled or remove the cap")
-        return self
 
     @model_validator(mode="after")
     def _on_policy_modes(self) -> TrainConfig:
@@ -396,6 +415,7 @@ class ChorusConfig(BaseSettings):
         for name, m in self.models.items():
             if m.lora is not None and not self.adapters_of(name):
                 raise ValueError(f"models.{name}.lora: no agent names an adapter of this model")
+            self.objective(name)  # a per-model override that means nothing fails here, with its key
         if self.reward.judge is not None and self.reward.judge not in self.agents:
             raise ValueError(f"reward.judge: agent {self.reward.judge!r} is not one of agents {sorted(self.agents)}")
         wf = self.workflow
@@ -438,6 +458,24 @@ class ChorusConfig(BaseSettings):
     def agents_of(self, model: str) -> list[str]:
         return [a for a, c in self.agents.items() if c.model == model]
 
+    def objective(self, model: str) -> Objective:
+        """The policy loss and regularisers of ``model``: train.* with ``models.<model>.train`` over it."""
+        patch = self.models[model].train
+        for key in patch:
+            if key not in OBJECTIVE_KEYS:
+                raise ValueError(f"models.{model}.train.{key}: not a per-model key; a model may set "
+                                 f"{', '.join(OBJECTIVE_KEYS)} (the rest of train.* is one for the run)")
+        if not patch:
+            return Objective(**self.train.model_dump(include=set(OBJECTIVE_KEYS)))
+        try:
+            return Objective(**{**self.train.model_dump(include=set(OBJECTIVE_KEYS)), **patch})
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            where = ".".join(str(p) for p in err["loc"])
+            raise ValueError(f"models.{model}.train{'.' + where if where else ''}: "
+                             f"{err['msg'].removeprefix('Value error, ')}"
+                             + (f" (got {err['input']!r})" if where else "")) from None
+
     def adapters_of(self, model: str) -> list[str]:
         """The LoRA adapters of ``model`` named by agents, sorted (agents may share one)."""
         return sorted({c.adapter for c in self.agents.values() if c.model == model and c.adapter})
@@ -464,8 +502,12 @@ class ChorusConfig(BaseSettings):
 def _format_error(exc: ValidationError, source: str) -> str:
     lines = [f"invalid config {source}:"]
     for err in exc.errors():
-        path = ".".join(str(p) for p in err["loc"]) or "<root>"
-        msg = err["msg"]
+        path = ".".join(str(p) for p in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        if not path and err["type"] == "value_error":
+            lines.append(f"  {msg}")  # a check across sections names its keys itself
+            continue
+        path = path or "<root>"
         if err["type"] == "extra_forbidden":
             msg = "unknown key (check the spelling against configs/ and docs/config.md)"
         elif err["type"] == "missing":

@@ -152,6 +152,31 @@ def aggregate_loss(per_token: torch.Tensor, mask: torch.Tensor, mode: str, denom
     return per_token.sum() / denominator
 
 
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+def kl_estimate(logp: torch.Tensor, logp_ref: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from the log-probs of the sampled tokens (Schulman 2020, "Approximating
+    KL divergence"), as verl's ``kl_penalty`` computes them. With log r_t = log pi_ref - log pi::
+
+        k1 = -log r_t                  = log pi - log pi_ref     (unbiased, high variance, can be negative)
+        k2 = (log r_t)^2 / 2                                     (verl's "mse")
+        k3 = r_t - 1 - log r_t                                   (unbiased, low variance, >= 0; verl's "low_var_kl")
+
+    k3's log r_t is clamped to [-20, 20] and its value to [-10, 10], as verl's ``low_var_kl``. Gradients flow
+    through ``logp`` (the reference is a constant).
+    """
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"KL estimator {estimator!r} is not one of {KL_ESTIMATORS}")
+    diff = logp - logp_ref.detach()  # log pi - log pi_ref = -log r_t
+    if estimator == "k1":
+        return diff
+    if estimator == "k2":
+        return 0.5 * diff.square()
+    log_r = (-diff).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    return (torch.exp(log_r) - 1.0 - log_r).clamp(-10.0, 10.0)
+
+
 def ppo_clip_loss(logp_new: torch.Tensor, logp_behav: torch.Tensor, advantages: torch.Tensor,
                   mask: torch.Tensor, clip_eps: float, global_batch: int) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO-clip surrogate against mu, token-mean per sample, summed over the micro-batch and divided by

@@ -12,25 +12,29 @@ float32. Checkpoints and committed states hold CPU tensors and load onto the dev
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
-from services.trainer.grpo import aggregate_loss, policy_loss_terms
+from services.trainer.grpo import aggregate_loss, kl_estimate, micro_batch_advantages, policy_loss_terms
 from services.trainer.logprobs import (
     PAD_BOUND,
     ResponseScorer,
+    SharedBatch,
     pack_rows,
     pack_shared,
     prompt_groups,
     shared_width,
 )
-from shared.advantages import batch_advantages
+from shared.advantages import batch_advantages, batch_token_advantages
 from shared.config import ChorusConfig
 from shared.models import context_length, load_model, load_tokenizer, resolve_device, shipped_tensors
 from shared.schemas import Sample
@@ -119,13 +123,16 @@ class Learner:
     def __init__(self, cfg: ChorusConfig, model: str) -> None:
         self.model_name = model
         self.global_batch = cfg.train.global_batch
-        train = cfg.train
-        self.clip_eps = train.clip_eps
-        self.loss_name, self.loss_agg = train.loss, train.loss_agg
-        self.clip_ratio_c, self.behav_imp_weight_cap = train.clip_ratio_c, train.behav_imp_weight_cap
-        self.entropy_coef = train.entropy_coef
+        obj = cfg.objective(model)  # train.* with models.<model>.train over it
+        self.clip_eps = obj.clip_eps
+        self.loss_name, self.loss_agg = obj.loss, obj.loss_agg
+        self.clip_ratio_c, self.behav_imp_weight_cap = obj.clip_ratio_c, obj.behav_imp_weight_cap
+        self.entropy_coef = obj.entropy_coef
+        self.kl_coef, self.kl_estimator = obj.kl_coef, obj.kl_estimator
+        self.kl_reward = obj.kl_coef > 0 and obj.kl_in == "reward"  # the penalty goes into the rewards
+        self.kl_loss = obj.kl_coef > 0 and obj.kl_in == "loss"  # the estimate goes into the loss
         # reinforce_pp normalises over the global batch: its samples are held until the batch is in
-        self.batch_level = train.advantage == "reinforce_pp"
+        self.batch_level = cfg.train.advantage == "reinforce_pp"
         self._held: list[Sample] = []
         mcfg = cfg.models[model]
         optim = mcfg.optim
@@ -145,7 +152,13 @@ class Learner:
         self.vocab_size = int(self.net.get_input_embeddings().num_embeddings)
         self.context = context_length(self.net)
         self.scorer = ResponseScorer(self.net, self.temperature)
-        self.scorer.entropy = "bonus" if train.entropy_coef > 0 else "metric"
+        self.scorer.entropy = "bonus" if obj.entropy_coef > 0 else "metric"
+        # The KL reference: a LoRA model's own base with its adapters disabled (no extra memory); a full model's
+        # frozen copy of the weights it starts from (one more copy of the model on its device).
+        self.reference: ResponseScorer | None = None
+        if obj.kl_coef > 0:
+            ref_net = self.net if self.lora else copy.deepcopy(self.net).eval().requires_grad_(False)
+            self.reference = ResponseScorer(ref_net, self.temperature)
         self.pad_bound = PAD_BOUND  # inf: every micro-batch in one pass
         self.share_prompts = True  # samples with one prompt run it once (False: one row per sample)
         self.trainable = [p for p in self.net.parameters() if p.requires_grad]
@@ -155,6 +168,7 @@ class Learner:
         self.accumulated = 0
         self._loss_sum = 0.0
         self._parts: list[dict[str, float]] = []  # loss statistics of each sub-batch since the last step
+        self._reward_kl: list[dict[str, float]] = []  # kl_in reward: the penalties' statistics since the last step
 
     def validate(self, sample: Sample) -> str | None:
         """Why this learner cannot train on ``sample`` (ids outside its vocabulary, an adapter it lacks), or None."""
@@ -171,56 +185,105 @@ class Learner:
             routing = [str(a) for a in batch.adapters]
         return self.scorer(batch.input_ids, batch.targets, batch.loss_mask, routing)
 
-    def accumulate(self, samples: Sequence[Sample], advantages: Sequence[float]) -> float:
+    def micro_batch(self, samples: Sequence[Sample], keep_idx: Sequence[int], estimator: str) -> float:
+        """Train on ``samples[i]`` for ``i`` in ``keep_idx`` (the others are stale: they only count in their groups'
+        advantages); returns the loss.
+
+        Each sample's advantage is the coordinator's where it set one, else ``estimator`` over the groups of this
+        micro-batch's samples without one. ``reinforce_pp`` holds the samples for the step (whole-batch
+        whitening). With a KL penalty in the rewards (``kl_in: reward``) the trainer, which holds the reference,
+        computes every kept sample's advantage itself from its penalised reward, over the groups of the kept
+        samples."""
+        kept = [samples[i] for i in keep_idx]
+        if self.batch_level:
+            return self.hold(kept)
+        if self.kl_reward:
+            penalties = self.reward_penalties(kept)
+            adv = micro_batch_advantages([s.reward - float(p.sum()) for s, p in zip(kept, penalties, strict=True)],
+                                         [s.group_key for s in kept], [None] * len(kept), estimator)
+            return self.accumulate(kept, adv.tolist())
+        adv = micro_batch_advantages([s.reward for s in samples], [s.group_key for s in samples],
+                                     [s.advantage for s in samples], estimator)
+        return self.accumulate(kept, [float(adv[i]) for i in keep_idx])
+
+    def accumulate(self, samples: Sequence[Sample], advantages: Sequence[float] | Sequence[np.ndarray]) -> float:
         """Forward + backward of one micro-batch (loss scaled by 1/global_batch), sub-batch by sub-batch; returns
-        its loss."""
+        its loss. ``advantages``: one number per sample, or one array per sample with a value per response token
+        (REINFORCE++ with a per-token reward penalty)."""
         if not samples:
             return 0.0
         if len(samples) != len(advantages):
             raise ValueError(f"{len(samples)} samples but {len(advantages)} advantages")
-        adv = torch.as_tensor(list(advantages), dtype=torch.float32)
-        if self.share_prompts and self.scorer.split:
-            return self._accumulate_shared(samples, adv)
-        lengths = [s.prompt_ids.shape[0] + s.response_ids.shape[0] for s in samples]
         loss_sum = 0.0
         parts: list[dict[str, float]] = []
-        for rows in pack_rows(lengths, self.pad_bound):
-            batch = collate([samples[i] for i in rows], self.pad_id).to(self.device)
-            if not bool(batch.loss_mask.any()):
-                continue  # empty responses: no term in the loss, nothing to run
-            logp = self.token_logprobs(batch)
-            loss, stats = self._policy_loss(logp, batch.logp_behav, adv[rows].to(self.device), batch.loss_mask)
+        for idx, batch in self._batches(samples):
+            logp = self._logprobs(self.scorer, batch)
+            ref = self._reference_logprobs(batch) if self.kl_loss else None
+            adv = token_layout([advantages[i] for i in idx], batch.loss_mask)
+            loss, stats = self._policy_loss(logp, batch.logp_behav, adv, batch.loss_mask, ref)
             loss.backward()
             loss_sum += float(loss.detach())
             parts.append(stats)
         self._add_stats(len(samples), loss_sum, parts)
         return loss_sum
 
-    def _accumulate_shared(self, samples: Sequence[Sample], adv: torch.Tensor) -> float:
-        """:meth:`accumulate` with each (adapter, prompt) group's prompt run once (:func:`pack_shared`): a GRPO
-        group's G samples cost one prompt and G responses, not G prompts. The packed rows are cut into
-        sub-batches that pad little, like single samples are."""
-        groups = prompt_groups(samples)
-        widths = [shared_width(samples, g) for g in groups]
-        loss_sum = 0.0
-        parts: list[dict[str, float]] = []
+    def _logprobs(self, scorer: ResponseScorer, batch: Collated | SharedBatch) -> torch.Tensor:
+        if isinstance(batch, SharedBatch):
+            return scorer.shared(batch, self._routing(batch.adapters) if scorer is self.scorer else None)
+        if scorer is not self.scorer:
+            return scorer(batch.input_ids, batch.targets, batch.loss_mask, None)
+        return self.token_logprobs(batch)
+
+    def _reference_logprobs(self, batch: Collated | SharedBatch) -> torch.Tensor:
+        """log pi_ref of the batch's response tokens, no gradient: the base of a LoRA model (adapters disabled),
+        else the frozen copy of the starting weights."""
+        assert self.reference is not None
+        off = self.net.disable_adapter() if self.lora else contextlib.nullcontext()  # type: ignore[operator]
+        with torch.no_grad(), off:
+            return self._logprobs(self.reference, batch)
+
+    def reward_penalties(self, samples: Sequence[Sample]) -> list[np.ndarray]:
+        """kl_in reward: ``kl_coef * k_t(mu, pi_ref)`` per response token of each sample, from its behaviour
+        log-probs and one no-grad forward of the reference (float64 arrays, in the samples' order)."""
+        out = [np.zeros(0) for _ in samples]
+        if self.reference is None:
+            return out
+        stats: list[dict[str, float]] = []
+        for idx, batch in self._batches(samples):
+            ref = self._reference_logprobs(batch)
+            kl = kl_estimate(batch.logp_behav, ref, self.kl_estimator) * batch.loss_mask
+            per_sample = token_values(kl, batch.loss_mask)
+            for i, k in zip(idx, per_sample, strict=True):
+                out[i] = self.kl_coef * k.astype(np.float64)
+            n = float(batch.loss_mask.sum())
+            stats.append({"kl_ref": float(kl.sum()) / max(n, 1.0), "tokens": n})
+        self._reward_kl.append({**merge_token_stats(stats), "kl_penalty": float(sum(p.sum() for p in out)),
+                                "samples": float(len(samples))})
+        return out
+
+    def _batches(self, samples: Sequence[Sample]) -> Iterator[tuple[list[int], Collated | SharedBatch]]:
+        """(sample indices, their batch on the device) per sub-batch, skipping those without a response token.
+
+        Sub-batches pad little (:func:`pack_rows`); with ``share_prompts`` each (adapter, prompt) group's prompt
+        runs once (:func:`pack_shared`: a GRPO group's G samples cost one prompt and G responses, not G
+        prompts)."""
+        shared = self.share_prompts and self.scorer.split
+        groups = prompt_groups(samples) if shared else [[i] for i in range(len(samples))]
+        widths = [shared_width(samples, g) if shared else
+                  int(samples[g[0]].prompt_ids.shape[0] + samples[g[0]].response_ids.shape[0]) for g in groups]
         for chosen in pack_rows(widths, self.pad_bound):
             idx = [i for c in chosen for i in groups[c]]
-            batch = pack_shared([samples[i] for i in idx], self.pad_id).to(self.device)
-            if not bool(batch.loss_mask.any()):
-                continue
-            logp = self.scorer.shared(batch, self._routing(batch.adapters))
-            loss, stats = self._policy_loss(logp, batch.logp_behav, adv[idx].to(self.device), batch.loss_mask)
-            loss.backward()
-            loss_sum += float(loss.detach())
-            parts.append(stats)
-        self._add_stats(len(samples), loss_sum, parts)
-        return loss_sum
+            picked = [samples[i] for i in idx]
+            batch: Collated | SharedBatch = (pack_shared(picked, self.pad_id) if shared
+                                             else collate(picked, self.pad_id)).to(self.device)
+            if bool(batch.loss_mask.any()):
+                yield idx, batch
 
-    def _policy_loss(self, logp: torch.Tensor, logp_behav: torch.Tensor, adv: torch.Tensor,
-                     mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    def _policy_loss(self, logp: torch.Tensor, logp_behav: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
+                     logp_ref: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
         """The configured policy loss of one sub-batch, divided by the global batch's sample count (token-mean:
-        rescaled to its token count at the step).
+        rescaled to its token count at the step), with the entropy bonus and the KL term (``kl_in: loss``,
+        ``logp_ref`` the reference's log-probs) aggregated the same way.
 
         ``decoupled``: pi_prox is the policy of the weights this learner holds before the step. Every micro-batch
         of a step is computed with those weights (gradients accumulate, the optimizer steps once per global
@@ -232,13 +295,20 @@ class Learner:
                                              logp_prox=prox, clip_ratio_c=self.clip_ratio_c,
                                              behav_imp_weight_cap=self.behav_imp_weight_cap)
         loss = aggregate_loss(per_token, mask, self.loss_agg, self.global_batch)
+        fmask = mask.to(logp.dtype)
+        tokens = fmask.sum().clamp(min=1.0)
         entropy = self.scorer.last_entropy
         if entropy is not None:
-            mask = mask.to(entropy.dtype)
-            stats["entropy"] = float((entropy.detach() * mask).sum() / mask.sum().clamp(min=1.0))
+            stats["entropy"] = float((entropy.detach() * fmask).sum() / tokens)
             if self.entropy_coef > 0:
                 # L = L_pg - c_H * agg(H_t): maximising the entropy of the policy at the response positions
-                loss = loss - self.entropy_coef * aggregate_loss(entropy * mask, mask, self.loss_agg, self.global_batch)
+                loss = loss - self.entropy_coef * aggregate_loss(entropy * fmask, fmask, self.loss_agg,
+                                                                 self.global_batch)
+        if logp_ref is not None:
+            # L = L_pg + beta * agg(k_t(pi_theta, pi_ref)): verl's use_kl_loss
+            kl = kl_estimate(logp, logp_ref, self.kl_estimator) * fmask
+            stats["kl_ref"] = float(kl.detach().sum() / tokens)
+            loss = loss + self.kl_coef * aggregate_loss(kl, fmask, self.loss_agg, self.global_batch)
         return loss, stats
 
     def _add_stats(self, n: int, loss_sum: float, parts: Sequence[dict[str, float]]) -> None:
@@ -277,13 +347,19 @@ class Learner:
         return 0.0
 
     def _flush(self) -> None:
-        """Forward/backward of the held samples with REINFORCE++ advantages over all of them."""
+        """Forward/backward of the held samples with REINFORCE++ advantages over all of them (token by token when
+        a KL penalty is in the rewards)."""
         if not self._held:
             return
         held, self._held = self._held, []
-        adv = batch_advantages([s.reward for s in held], [int(s.response_ids.shape[0]) for s in held])
+        rewards = [s.reward for s in held]
+        adv: Sequence[float] | Sequence[np.ndarray]
+        if self.kl_reward:
+            adv = batch_token_advantages(rewards, self.reward_penalties(held))
+        else:
+            adv = batch_advantages(rewards, [int(s.response_ids.shape[0]) for s in held]).tolist()
         self.accumulated -= len(held)  # accumulate counts them again
-        self.accumulate(held, adv.tolist())
+        self.accumulate(held, adv)
 
     def scaled_gradients(self) -> dict[str, torch.Tensor]:
         """The accumulated gradients as the next step applies them (mean over the samples, before clipping)."""
@@ -315,10 +391,14 @@ class Learner:
             self.version += 1
         self.optimizer.zero_grad(set_to_none=True)
         stats = {"tokens": 0.0, **merge_token_stats(self._parts)}  # token means over the step, *_max its largest
+        if self._reward_kl:  # kl_in reward: k_t(mu, ref) token mean, and the mean penalty per sample
+            pen = sum(p["kl_penalty"] for p in self._reward_kl) / max(sum(p["samples"] for p in self._reward_kl), 1.0)
+            stats.update(kl_ref=merge_token_stats(self._reward_kl)["kl_ref"], kl_reward_penalty=pen)
         result = StepResult(self.version, n, self._loss_sum * scale, grad_norm, stats, skipped)
         self.accumulated = 0
         self._loss_sum = 0.0
         self._parts = []
+        self._reward_kl = []
         return result
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
@@ -356,6 +436,7 @@ class Learner:
         self._held = []
         self._loss_sum = 0.0
         self._parts = []
+        self._reward_kl = []
 
     # --- checkpoints ----------------------------------------------------------------------
     def save_checkpoint(self, directory: Path) -> Path:
@@ -388,6 +469,27 @@ def merge_token_stats(parts: Sequence[dict[str, float]]) -> dict[str, float]:
                   else sum(p[k] * p["tokens"] for p in parts) / max(tokens, 1.0))
               for k in parts[0] if k != "tokens"}
     return {**merged, "tokens": tokens}
+
+
+def token_layout(advantages: Sequence[float] | Sequence[np.ndarray], mask: torch.Tensor) -> torch.Tensor:
+    """Advantages in the layout of ``mask`` (rows = samples): [S] when each is one number, else [S, T] with each
+    sample's per-token array written at its response positions (the set positions of its row, in order)."""
+    if all(np.ndim(a) == 0 for a in advantages):
+        return torch.as_tensor([float(a) for a in advantages], dtype=torch.float32, device=mask.device)
+    arrays = [np.broadcast_to(np.asarray(a, dtype=np.float32), (int(n),)) if np.ndim(a) == 0 else
+              np.asarray(a, dtype=np.float32) for a, n in zip(advantages, mask.sum(dim=1).tolist(), strict=True)]
+    out = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    flat = torch.from_numpy(np.concatenate(arrays)) if arrays else torch.zeros(0)
+    if flat.numel() != int((mask > 0).sum()):
+        raise ValueError(f"{flat.numel()} per-token advantages for {int((mask > 0).sum())} response tokens")
+    out[mask > 0] = flat.to(mask.device)
+    return out
+
+
+def token_values(values: torch.Tensor, mask: torch.Tensor) -> list[np.ndarray]:
+    """Each row's values at its set ``mask`` positions, in order (the inverse of :func:`token_layout`)."""
+    m = mask > 0
+    return [values[i][m[i]].detach().cpu().numpy() for i in range(values.shape[0])]
 
 
 def _to_cpu(value: Any) -> Any:

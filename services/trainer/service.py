@@ -29,7 +29,6 @@ from nats.aio.msg import Msg
 from nats.js.errors import NotFoundError
 
 from services.trainer.commits import CommitPointError, Commits, Fenced
-from services.trainer.grpo import micro_batch_advantages
 from services.trainer.intake import SeenIds, StepBook, filter_samples
 from services.trainer.learner import Learner, StepResult, adapter_problem
 from services.trainer.state import Committed, RecentSteps, pack_state, steps_remembered, unpack_state
@@ -295,13 +294,8 @@ class TrainerService(Service):
         return why if adapter is None else f"sample {s.sample_id}: {adapter}"
 
     def _accumulate(self, samples: Sequence[Sample], keep_idx: list[int]) -> float:
-        """Worker thread: each sample's advantage (the coordinator's, else GRPO over the micro-batch's groups of the
-        samples without one), then forward/backward of the kept rows."""
-        if self.learner.batch_level:  # reinforce_pp: advantages over the whole global batch, at the step
-            return self.learner.hold([samples[i] for i in keep_idx])
-        adv = micro_batch_advantages([s.reward for s in samples], [s.group_key for s in samples],
-                                     [s.advantage for s in samples], self.cfg.train.advantage)
-        return self.learner.accumulate([samples[i] for i in keep_idx], [float(adv[i]) for i in keep_idx])
+        """Worker thread: the kept samples' advantages and their forward/backward (:meth:`Learner.micro_batch`)."""
+        return self.learner.micro_batch(samples, keep_idx, self.cfg.train.advantage)
 
     async def _reject(self, msg: Msg, reason: str) -> None:
         """DLQ it, then ack: the DLQ holds the copy, and a poison message must not come back forever."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from shared.advantages import ESTIMATORS, batch_advantages, estimate
+from shared.advantages import ESTIMATORS, batch_advantages, batch_token_advantages, estimate
 
 REWARDS = [1.0, 0.0, 0.0, 1.0, 5.0, 2.0, 2.0]
 GROUPS = ["a", "a", "a", "a", "b", "c", "c"]  # b: a group of one; c: equal rewards
@@ -46,3 +46,22 @@ def test_the_estimators_are_the_documented_ones():
     assert ESTIMATORS == ("grpo", "dr_grpo", "rloo", "reinforce_pp")
     with pytest.raises(ValueError, match="global batch"):
         estimate(REWARDS, GROUPS, "reinforce_pp")
+
+
+def test_reinforce_pp_with_a_per_token_penalty_whitens_the_returns_to_go():
+    # sample 0: reward 1, penalties [0.1, 0.2] -> returns [1 - 0.3, 1 - 0.2] = [0.7, 0.8]; sample 1: reward 0,
+    # penalty [0.5] -> [-0.5]. Tokens 0.7, 0.8, -0.5: mean 1/3, population std sqrt(((11/30)^2 + (14/30)^2 +
+    # (25/30)^2) / 3)
+    got = batch_token_advantages([1.0, 0.0], [np.array([0.1, 0.2]), np.array([0.5])])
+    mean = 1 / 3
+    std = np.sqrt(((0.7 - mean) ** 2 + (0.8 - mean) ** 2 + (-0.5 - mean) ** 2) / 3)
+    assert got[0] == pytest.approx([(0.7 - mean) / std, (0.8 - mean) / std], rel=1e-5)
+    assert got[1] == pytest.approx([(-0.5 - mean) / std], rel=1e-5)
+
+
+def test_reinforce_pp_without_penalty_is_the_same_per_token_or_per_sample():
+    rewards, tokens = [1.0, 0.0, 0.5], [2, 3, 1]
+    per_token = batch_token_advantages(rewards, [np.zeros(n) for n in tokens])
+    for arr, a, n in zip(per_token, batch_advantages(rewards, tokens), tokens, strict=True):
+        assert arr == pytest.approx([a] * n)
+    assert [a.tolist() for a in batch_token_advantages([2.0, 2.0], [np.zeros(1), np.zeros(2)])] == [[0.0], [0.0, 0.0]]

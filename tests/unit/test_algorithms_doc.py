@@ -5,7 +5,7 @@ from __future__ import annotations
 import typing
 from pathlib import Path
 
-from services.trainer.grpo import AGGREGATIONS, LOSSES
+from services.trainer.grpo import AGGREGATIONS, KL_ESTIMATORS, LOSSES
 from shared.advantages import ESTIMATORS
 from shared.config import TrainConfig
 
@@ -19,8 +19,11 @@ def _choices(field: str) -> tuple[str, ...]:
 def test_every_loss_and_aggregation_of_the_schema_is_implemented_and_documented():
     text = DOC.read_text()
     assert set(_choices("loss")) == set(LOSSES) and set(_choices("loss_agg")) == set(AGGREGATIONS)
-    assert set(_choices("advantage")) == set(ESTIMATORS)
-    for option in (*_choices("loss"), *_choices("loss_agg"), *_choices("advantage")):
+    assert set(_choices("advantage")) == set(ESTIMATORS) and set(_choices("kl_estimator")) == set(KL_ESTIMATORS)
+    for option in (*_choices("loss"), *_choices("loss_agg"), *_choices("advantage"), *_choices("kl_estimator"),
+                   *_choices("kl_in")):
         assert f"`{option}`" in text, f"docs/algorithms.md does not document {option!r}"
-    for key in ("clip_eps", "clip_ratio_c", "behav_imp_weight_cap", "loss_agg", "advantage", "entropy_coef"):
+    for key in ("clip_eps", "clip_ratio_c", "behav_imp_weight_cap", "loss_agg", "advantage", "entropy_coef",
+                "kl_coef", "kl_estimator", "kl_in"):
         assert f"train.{key}" in text, key
+    assert "models.<m>.train" in text

@@ -99,6 +99,10 @@ def test_dumped_config_loads_back_identically(tmp_path: Path) -> None:
     ({"behav_imp_weight_cap": 5.0}, "behav_imp_weight_cap"),  # ppo_clip has no pi_prox / mu to cap
     ({"loss": "grpo"}, "train.loss"),
     ({"loss_agg": "mean"}, "train.loss_agg"),
+    ({"kl_coef": -0.1}, "train.kl_coef"),
+    ({"kl_estimator": "k4"}, "train.kl_estimator"),
+    ({"kl_in": "advantage"}, "train.kl_in"),
+    ({"entropy_coef": -0.01}, "train.entropy_coef"),
 ])
 def test_meaningless_loss_options_are_refused_at_load_time_naming_the_key(tmp_path: Path, train: dict,
                                                                           key: str) -> None:
@@ -127,3 +131,32 @@ def test_meaningless_sampling_settings_are_refused_at_load_time_naming_the_key(t
     with pytest.raises(ConfigError) as exc:
         load_config(_write(tmp_path, {**BASE, "workflow": workflow}))
     assert key in str(exc.value)
+
+
+def _model_train(tmp_path: Path, train: dict, model_train: dict):
+    data = {**BASE, "train": {**BASE["train"], **train}}
+    model = next(iter(data["models"]))
+    data["models"] = {**data["models"], model: {**data["models"][model], "train": model_train}}
+    return model, load_config(_write(tmp_path, data))
+
+
+def test_a_model_may_choose_its_own_loss_and_regularisers(tmp_path: Path) -> None:
+    model, cfg = _model_train(tmp_path, {"entropy_coef": 0.01}, {"loss": "decoupled", "behav_imp_weight_cap": 4.0,
+                                                                 "kl_coef": 0.05})
+    own = cfg.objective(model)
+    assert (own.loss, own.behav_imp_weight_cap, own.kl_coef, own.entropy_coef) == ("decoupled", 4.0, 0.05, 0.01)
+    assert cfg.train.loss == "ppo_clip"  # the run's default is unchanged
+    assert config_from_yaml_text(cfg.dump_yaml()).objective(model) == own
+
+
+@pytest.mark.parametrize(("model_train", "key"), [
+    ({"clip_eps": 1.5}, "train.clip_eps"),
+    ({"behav_imp_weight_cap": 3.0}, "train: behav_imp_weight_cap"),  # this model's loss is ppo_clip
+    ({"global_batch": 8}, "train.global_batch: not a per-model key"),
+    ({"kl_in": "both"}, "train.kl_in"),
+])
+def test_a_models_meaningless_loss_option_is_refused_at_load_time_naming_the_key(tmp_path: Path, model_train: dict,
+                                                                                 key: str) -> None:
+    with pytest.raises(ConfigError) as exc:
+        _model_train(tmp_path, {}, model_train)
+    assert f"models.{next(iter(BASE['models']))}.{key}" in str(exc.value)

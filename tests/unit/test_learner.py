@@ -443,3 +443,134 @@ def test_the_entropy_is_logged_and_its_bonus_alone_raises_it(tmp_path):
     r = bonus.step()
     assert r.loss == pytest.approx(-0.1 * start, rel=1e-4)  # seq-mean-token-mean of H, times -c
     assert r.grad_norm > 0 and _response_entropy(bonus, samples) > start
+
+
+def _logprobs(learner: Learner, samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor]:
+    batch = collate(samples, learner.pad_id)
+    with torch.no_grad():
+        return learner.token_logprobs(batch), batch.loss_mask
+
+
+def test_kl_in_the_loss_pulls_the_policy_back_to_a_frozen_copy_of_its_start(tmp_path):
+    from services.trainer.grpo import kl_estimate
+
+    samples = [make_sample(i, resp_len=3 + i % 2) for i in range(4)]
+    learner = Learner(make_cfg(tmp_path, global_batch=4, train_extra=", kl_coef: 0.5, kl_estimator: k3"), "m")
+    assert learner.reference is not None and learner.reference.net is not learner.net
+    start = params(learner)
+    start_logp, mask = _logprobs(learner, samples)
+    learner.accumulate(samples, [1.0, -1.0, 0.5, -0.5])
+    first = learner.step()
+    assert first.stats["kl_ref"] == pytest.approx(0.0, abs=1e-7)  # pi_theta = pi_ref before the first step
+    # the reference stays the starting weights; the policy has moved
+    ref_params = dict(learner.reference.net.named_parameters())
+    assert all(torch.equal(ref_params[k], v) for k, v in start.items())
+    assert any(not torch.equal(v, start[k]) for k, v in params(learner).items())
+    # advantages 0: only beta * seq-mean-token-mean(k3(pi_theta, pi_ref)) is left: its gradient is the one of that
+    # formula, and a small step along it brings pi_theta back towards the start
+    batch = collate(samples, learner.pad_id)
+    logp = learner.token_logprobs(batch)
+    k3 = kl_estimate(logp, start_logp, "k3") * mask
+    by_hand = 0.5 * (k3.sum(1) / mask.sum(1)).sum() / 4
+    names = [n for n, q in learner.net.named_parameters() if q.requires_grad]
+    expected = dict(zip(names, torch.autograd.grad(by_hand, [learner.net.get_parameter(n) for n in names]),
+                        strict=True))
+    learner.accumulate(samples, [0.0] * 4)
+    grads = learner.scaled_gradients()
+    for name, g in expected.items():
+        assert torch.allclose(grads[name], g, rtol=1e-4, atol=1e-9), name
+    with torch.no_grad():
+        for name, g in grads.items():
+            learner.net.get_parameter(name).sub_(1e-2 * g / max(float(g.norm()), 1e-12))
+    after, _ = _logprobs(learner, samples)
+    assert float((kl_estimate(after, start_logp, "k3") * mask).sum()) < float(k3.detach().sum())
+    with torch.no_grad():
+        for name, g in grads.items():
+            learner.net.get_parameter(name).add_(1e-2 * g / max(float(g.norm()), 1e-12))
+    second = learner.step()
+    assert second.loss == pytest.approx(float(by_hand.detach()), rel=1e-4) and float(by_hand.detach()) > 0
+    assert second.stats["kl_ref"] == pytest.approx(float(k3.detach().sum() / mask.sum()), rel=1e-4)
+
+
+def test_a_lora_models_kl_reference_is_its_base_with_the_adapters_disabled(tmp_path):
+    cfg = make_lora_cfg(tmp_path)
+    cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"kl_coef": 0.1})})
+    learner = Learner(cfg, "m")
+    assert learner.reference is not None and learner.reference.net is learner.net  # no second copy
+    samples = [with_adapter(make_sample(i), "sol" if i % 2 else "ver") for i in range(4)]
+    batch = collate(samples, learner.pad_id)
+    with torch.no_grad():
+        base = learner.token_logprobs(batch)  # fresh adapters (B = 0): the policy is the base
+    learner.accumulate(samples, [1.0, -1.0, 0.5, -0.5])
+    learner.step()
+    with torch.no_grad():
+        policy = learner.token_logprobs(batch)
+    ref = learner._reference_logprobs(batch)
+    assert torch.allclose(ref, base, atol=1e-6)
+    assert not torch.allclose(policy, base, atol=1e-4)
+    with torch.no_grad():
+        assert torch.allclose(learner.token_logprobs(batch), policy)  # the adapters are on again
+
+
+def test_kl_in_the_reward_penalises_each_token_by_its_behaviour_kl_to_the_reference(tmp_path):
+    samples = [make_sample(i, resp_len=2 + i % 3) for i in range(4)]
+    learner = Learner(make_cfg(tmp_path, global_batch=4,
+                               train_extra=", kl_coef: 0.1, kl_estimator: k1, kl_in: reward"), "m")
+    assert learner.kl_reward and not learner.kl_loss
+    ref, mask = _logprobs(learner, samples)  # the reference is the starting weights
+    penalties = learner.reward_penalties(samples)
+    behav = collate(samples, learner.pad_id).logp_behav
+    for i, (s, p) in enumerate(zip(samples, penalties, strict=True)):
+        m = mask[i] > 0
+        assert p.shape == (s.response_ids.shape[0],)
+        assert p == pytest.approx((0.1 * (behav[i][m] - ref[i][m])).numpy(), rel=1e-4, abs=1e-6)
+    learner.accumulate(samples, [1.0, -1.0, 0.5, -0.5])
+    r = learner.step()
+    n = float(mask.sum())
+    assert r.stats["kl_ref"] == pytest.approx(float(((behav - ref) * mask).sum()) / n, rel=1e-4)
+    assert r.stats["kl_reward_penalty"] == pytest.approx(sum(float(p.sum()) for p in penalties) / 4, rel=1e-5)
+
+
+def test_reinforce_pp_with_a_kl_reward_penalty_trains_on_whitened_returns_to_go(tmp_path):
+    from shared.advantages import batch_token_advantages
+
+    extra = ", advantage: reinforce_pp, kl_coef: 0.2, kl_estimator: k2, kl_in: reward"
+    samples = [make_sample(i, resp_len=2 + i % 3) for i in range(4)]
+    held = Learner(make_cfg(tmp_path, global_batch=4, train_extra=extra), "m")
+    held.hold(samples)
+    plain = Learner(make_cfg(tmp_path, global_batch=4), "m")
+    ref, mask = _logprobs(plain, samples)
+    behav = collate(samples, plain.pad_id).logp_behav
+    penalties = [(0.2 * 0.5 * (behav[i] - ref[i])[mask[i] > 0] ** 2).double().numpy() for i in range(4)]
+    adv = batch_token_advantages([s.reward for s in samples], penalties)
+    assert not np.allclose(adv[2], adv[2][0])  # returns to go differ token by token
+    plain.accumulate(samples, adv)
+    g_held, g_plain = held.scaled_gradients(), plain.scaled_gradients()
+    for name, g in g_plain.items():
+        assert torch.allclose(g, g_held[name], rtol=1e-4, atol=1e-8), name
+
+
+def test_a_kl_reward_penalty_replaces_the_coordinators_advantages_by_penalised_group_ones(tmp_path):
+    from services.trainer.grpo import group_advantages
+
+    extra = ", kl_coef: 0.5, kl_estimator: k1, kl_in: reward, grouping: episode"
+    samples = [make_sample(i, resp_len=2 + i % 3).model_copy(update={"advantage": 9.0}) for i in range(4)]
+    penalised = Learner(make_cfg(tmp_path, global_batch=4, train_extra=extra), "m")
+    penalties = penalised.reward_penalties(samples[1:])
+    penalised.micro_batch(samples, [1, 2, 3], "grpo")  # sample 0 is stale: it is in no group
+    plain = Learner(make_cfg(tmp_path, global_batch=4), "m")
+    rewards = [s.reward - float(p.sum()) for s, p in zip(samples[1:], penalties, strict=True)]
+    adv = group_advantages(rewards, [s.group_key for s in samples[1:]])
+    assert float(adv.abs().max()) > 0 and all(float(a) != 9.0 for a in adv)
+    plain.accumulate(samples[1:], adv.tolist())
+    g_pen, g_plain = penalised.scaled_gradients(), plain.scaled_gradients()
+    for name, g in g_plain.items():
+        assert torch.allclose(g, g_pen[name], rtol=1e-4, atol=1e-8), name
+
+
+def test_a_learner_takes_its_models_own_loss_options(tmp_path):
+    cfg = make_cfg(tmp_path)
+    cfg.models["m"].train = {"loss": "decoupled", "kl_coef": 0.1, "loss_agg": "token-mean"}
+    learner = Learner(cfg, "m")
+    assert (learner.loss_name, learner.loss_agg, learner.kl_loss) == ("decoupled", "token-mean", True)
+    assert learner.reference is not None and cfg.train.loss == "ppo_clip"

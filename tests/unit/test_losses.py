@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from services.trainer.grpo import AGGREGATIONS, aggregate_loss, policy_loss_terms
+from services.trainer.grpo import AGGREGATIONS, KL_ESTIMATORS, aggregate_loss, kl_estimate, policy_loss_terms
 
 LOG = math.log
 
@@ -133,3 +133,29 @@ def test_the_decoupled_loss_needs_pi_prox_and_unknown_losses_are_refused():
         policy_loss_terms(x, x, torch.ones(1), x + 1, clip_eps=0.2, loss="decoupled")
     with pytest.raises(ValueError, match="not one of"):
         policy_loss_terms(x, x, torch.ones(1), x + 1, clip_eps=0.2, loss="ppo")
+
+
+def test_kl_estimators_on_a_hand_computed_token():
+    # pi = 0.5, pi_ref = 0.25: log r = log(pi_ref / pi) = -log 2, r = 0.5
+    log2 = math.log(2.0)
+    expected = {"k1": (log2, 1.0), "k2": (0.5 * log2**2, log2), "k3": (0.5 - 1 + log2, 1 - 0.5)}  # (value, d/dlog pi)
+    for est in KL_ESTIMATORS:
+        logp = torch.tensor([math.log(0.5)], requires_grad=True)
+        k = kl_estimate(logp, torch.tensor([math.log(0.25)]), est)
+        k.sum().backward()
+        value, grad = expected[est]
+        assert float(k) == pytest.approx(value, rel=1e-5), est
+        assert float(logp.grad) == pytest.approx(grad, rel=1e-5), est
+
+
+def test_kl_estimators_vanish_at_the_reference_and_k3_is_never_negative():
+    logp = torch.log(torch.tensor([0.1, 0.3, 0.6]))
+    for est in KL_ESTIMATORS:
+        assert kl_estimate(logp, logp.clone(), est).abs().max() == 0.0, est
+    ref = torch.log(torch.tensor([0.6, 0.1, 0.3]))
+    assert bool((kl_estimate(logp, ref, "k3") >= 0).all())
+    assert bool((kl_estimate(logp, ref, "k1") < 0).any())  # k1 is unbiased but not positive token by token
+    # k3 is clamped as verl's low_var_kl: a log-ratio of 30 gives 10, not e^30
+    assert float(kl_estimate(torch.tensor([-30.0]), torch.tensor([0.0]), "k3")) == 10.0
+    with pytest.raises(ValueError, match="k4"):
+        kl_estimate(logp, ref, "k4")
