@@ -99,10 +99,11 @@ def up(
 @app.command()
 def plot(
     run_dir: Annotated[Path, typer.Argument(help="a run directory (with metrics.jsonl) or a metrics.jsonl file")],
-    out: Annotated[Path | None, typer.Option("--out", "-o", help="PNG path (default RUN_DIR/reward.png)")] = None,
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="PNG path (default RUN_DIR/reward.png; the loss statistics go beside it, RUN_DIR/training.png or <OUT>-training.png)")] = None,
 ) -> None:
-    """Plot reward and staleness per version from a run's metrics.jsonl and print the summary."""
-    from shared.plotting import load_evals, plot_run, summarize
+    """Plot reward, staleness and held-out scores per version (reward.png) and the loss's statistics
+    (training.png) from a run's metrics.jsonl, and print the summary."""
+    from shared.plotting import load_evals, plot_run, plot_training, summarize
     from shared.supervisor import eval_table, summary_table
 
     metrics = run_dir if run_dir.is_file() else run_dir / "metrics.jsonl"
@@ -115,6 +116,10 @@ def plot(
         err.print(f"[red]error:[/] {exc}")
         raise typer.Exit(1) from None
     console.print(f"wrote {png}")
+    try:
+        console.print(f"wrote {plot_training(metrics, png.with_name(png.stem + '-training.png') if out else None)}")
+    except ValueError as exc:
+        console.print(f"[yellow]no training plot: {exc}")
     console.print(summary_table(summarize(metrics)))
     evals = load_evals(metrics)
     if evals:

@@ -267,12 +267,25 @@ class RewardSection(Section):
 
 
 class EvalSection(Section):
-    """Held-out pass@1 every ``every`` versions (0 = off): one rollout per task, same settings every time."""
+    """Held-out evaluation every ``every`` versions (0 = off): pass@1 (mean of n samples), pass@k, Maj@N and tokens
+    per question, with the same tasks and settings every time."""
 
     every: int = Field(default=0, ge=0)  # versions between evaluations; also at version 0 and at the end
     tasks: int = Field(default=32, ge=1)  # held-out tasks (needs task.heldout >= tasks)
     temperature: float = Field(default=0.0, ge=0.0)  # 0 = greedy
+    samples: int = Field(default=1, ge=1)  # n rollouts per task: pass@1 is their mean, Maj@N their vote
+    pass_k: list[int] | None = None  # the k of pass@k, each in [1, samples]; null: 1, 2, 4, ... and samples
     final_timeout_s: float = Field(default=300.0, gt=0)  # how long `chorus up` waits for the last evaluation
+
+    @model_validator(mode="after")
+    def _sampling(self) -> EvalSection:
+        if self.samples > 1 and self.temperature == 0:
+            raise ValueError(f"samples: {self.samples} greedy rollouts of a task are {self.samples} copies of one "
+                             "answer; set eval.temperature > 0 or eval.samples: 1")
+        for k in self.pass_k or []:
+            if not 1 <= k <= self.samples:
+                raise ValueError(f"pass_k: pass@{k} needs k in [1, eval.samples = {self.samples}]")
+        return self
 
 
 class Objective(Section):
@@ -504,9 +517,14 @@ def _format_error(exc: ValidationError, source: str) -> str:
     for err in exc.errors():
         path = ".".join(str(p) for p in err["loc"])
         msg = err["msg"].removeprefix("Value error, ")
-        if not path and err["type"] == "value_error":
-            lines.append(f"  {msg}")  # a check across sections names its keys itself
-            continue
+        if err["type"] == "value_error":
+            if not path:
+                lines.append(f"  {msg}")  # a check across sections names its keys itself
+                continue
+            key = re.match(r"^(\w+): ", msg)
+            if key:  # a section's check names its key first: give its whole path
+                lines.append(f"  {path}.{key.group(1)}: {msg[key.end():]}")
+                continue
         path = path or "<root>"
         if err["type"] == "extra_forbidden":
             msg = "unknown key (check the spelling against configs/ and docs/config.md)"

@@ -1,8 +1,9 @@
-"""Reward curves and run summaries from a run's ``metrics.jsonl``.
+"""Reward curves, the loss's statistics and run summaries from a run's ``metrics.jsonl``.
 
-The file holds one trainer step record per line (``model``, ``version``, ``reward_mean`` ...) and, when
-evaluation is on, held-out evaluation records (``"kind": "eval"``, ``version``, ``pass1`` per agent,
-``final`` for the workflow's final answer).
+The file holds one trainer step record per line (``model``, ``version``, ``reward_mean``, ``grad_norm``,
+``clip_frac``, ``approx_kl_mu``, ``entropy`` ... docs/algorithms.md) and, when evaluation is on, held-out
+evaluation records (``"kind": "eval"``, ``version``, ``pass1`` per agent, ``final`` for the workflow's final
+answer, ``pass_at_k``, ``maj``, ``tokens_per_question``).
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ def load_evals(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
 
 
 def eval_table_rows(evals: list[dict[str, Any]]) -> list[tuple[str, float, float]]:
-    """(what, first, last) of the first and last evaluation: per-agent pass@1 and the final answer's."""
+    """(what, first, last) of the first and last evaluation: per-agent pass@1 and the final answer's, then (when
+    the records have them) the final answer's pass@k for k > 1, its Maj@N and the tokens per question."""
     if not evals:
         return []
     first, last = evals[0], evals[-1]
@@ -54,6 +56,18 @@ def eval_table_rows(evals: list[dict[str, Any]]) -> list[tuple[str, float, float
             for a in sorted(first.get("pass1") or {}) if a in (last.get("pass1") or {})]
     if "final" in first and "final" in last:
         rows.append(("final answer", float(first["final"]), float(last["final"])))
+    k_first = (first.get("pass_at_k") or {}).get("final") or {}
+    k_last = (last.get("pass_at_k") or {}).get("final") or {}
+    for k in sorted((set(k_first) & set(k_last)) - {"1"}, key=int):
+        rows.append((f"final answer pass@{k}", float(k_first[k]), float(k_last[k])))
+    n = last.get("samples", 1)
+    maj_first, maj_last = (first.get("maj") or {}).get("final"), (last.get("maj") or {}).get("final")
+    if isinstance(n, int) and n > 1 and maj_first is not None and maj_last is not None:
+        rows.append((f"final answer Maj@{n}", float(maj_first), float(maj_last)))
+    tok_first = (first.get("tokens_per_question") or {}).get("total")
+    tok_last = (last.get("tokens_per_question") or {}).get("total")
+    if tok_first is not None and tok_last is not None:
+        rows.append(("tokens per question", float(tok_first), float(tok_last)))
     return rows
 
 
@@ -145,12 +159,25 @@ def plot_run(metrics_path: str | os.PathLike[str], out_path: str | os.PathLike[s
                       label="final answer", zorder=1)
             for v, f in ((versions[0], finals[0]), (versions[-1], finals[-1])):
                 ax_e.annotate(f"{f:.2f}", (v, f), textcoords="offset points", xytext=(0, -15), ha="center", fontsize=8)
+        n = evals[-1].get("samples", 1)
+        ks = sorted({k for e in evals for k in ((e.get("pass_at_k") or {}).get("final") or {})} - {"1"}, key=int)
+        for k in ks:
+            pts = [(int(e["version"]), float(e["pass_at_k"]["final"][k])) for e in evals
+                   if k in ((e.get("pass_at_k") or {}).get("final") or {})]
+            ax_e.plot([p[0] for p in pts], [p[1] for p in pts], color="black", linestyle=":", marker=".",
+                      alpha=0.4 + 0.5 * int(k) / max(int(ks[-1]), 1), label=f"final answer pass@{k}")
+        if isinstance(n, int) and n > 1:
+            pts = [(int(e["version"]), float(e["maj"]["final"])) for e in evals if "final" in (e.get("maj") or {})]
+            if pts:
+                ax_e.plot([p[0] for p in pts], [p[1] for p in pts], color="tab:red", linestyle="--", marker="*",
+                          label=f"final answer Maj@{n}")
         markers = ["o", "^", "v", "D", "P", "X"]
         for i, agent in enumerate(sorted({a for e in evals for a in (e.get("pass1") or {})})):
             pts = [(int(e["version"]), float(e["pass1"][agent])) for e in evals if agent in (e.get("pass1") or {})]
             ax_e.plot([p[0] for p in pts], [p[1] for p in pts], marker=markers[i % len(markers)],
                       linestyle=styles[i % len(styles)], label=f"agent {agent}", zorder=2)
-        ax_e.set_ylabel("held-out pass@1")
+        n = evals[-1].get("samples", 1)
+        ax_e.set_ylabel("held-out pass@1" + (f"\n(mean of {n})" if isinstance(n, int) and n > 1 else ""))
         ax_e.set_ylim(-0.02, 1.02)
         ax_e.grid(alpha=0.3)
         ax_e.legend(fontsize=8)
@@ -159,5 +186,96 @@ def plot_run(metrics_path: str | os.PathLike[str], out_path: str | os.PathLike[s
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+# Panels of the training figure: (title, [(step record key, label)]); a panel whose keys no record holds is left out.
+TRAINING_PANELS: list[tuple[str, list[tuple[str, str]]]] = [
+    ("gradient norm (before clipping)", [("grad_norm", "grad_norm")]),
+    ("clipped tokens (fraction)", [("clip_frac", "clip_frac"), ("dual_clip_frac", "dual_clip_frac"),
+                                   ("is_weight_capped_frac", "IS weight capped")]),
+    ("KL estimates (token mean)", [("approx_kl_mu", "to mu (k1)"), ("approx_kl_prox", "to pi_prox (k1)"),
+                                   ("kl_ref", "to the reference")]),
+    ("entropy (token mean)", [("entropy", "entropy")]),
+    ("importance weights", [("is_weight_mean", "mean"), ("is_weight_max", "max"), ("ratio_mean", "ratio mean")]),
+    ("skipped steps (non-finite gradient)", [("steps_skipped", "skipped, cumulative")]),
+]
+
+
+Series = tuple[str, str | None, list[int], list[float]]  # (label, model or None, versions, values)
+
+
+def training_panels(metrics_path: str | os.PathLike[str]) -> list[tuple[str, list[Series]]]:
+    """What :func:`plot_training` draws: per panel its title and series, from the step records (one series per
+    model and key, smoothed over :func:`smoothing_window` steps) and the evaluations' tokens per question (one per
+    agent, and ``total``). Panels without data are left out."""
+    models = by_model(load_metrics(metrics_path))
+    out: list[tuple[str, list[Series]]] = []
+    for title, keys in TRAINING_PANELS:
+        series: list[Series] = []
+        for model, rs in models.items():
+            for key, label in keys:
+                pts = [(int(r["version"]), float(r[key])) for r in rs if isinstance(r.get(key), int | float)]
+                if pts:
+                    series.append((label, model, [p[0] for p in pts],
+                                   rolling_mean([p[1] for p in pts], smoothing_window(len(pts)))))
+        if series:
+            out.append((title, series))
+    evals = [e for e in load_evals(metrics_path) if isinstance(e.get("tokens_per_question"), dict)]
+    names = sorted({a for e in evals for a in e["tokens_per_question"]}, key=lambda a: (a == "total", a))
+    tokens: list[Series] = []
+    for name in names:
+        pts = [(int(e["version"]), float(e["tokens_per_question"][name])) for e in evals
+               if isinstance(e["tokens_per_question"].get(name), int | float)]
+        tokens.append((name, None, [p[0] for p in pts], [p[1] for p in pts]))
+    if tokens:
+        out.append(("held-out tokens generated per question (one rollout)", tokens))
+    return out
+
+
+def plot_training(metrics_path: str | os.PathLike[str], out_path: str | os.PathLike[str] | None = None) -> Path:
+    """Write a PNG of the loss's statistics per version, one line per model (docs/algorithms.md#metrics-of-a-step),
+    and, when evaluation is on, the held-out tokens generated per question. Default: next to metrics.jsonl,
+    training.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metrics_path = Path(metrics_path)
+    out = Path(out_path) if out_path is not None else metrics_path.parent / "training.png"
+    models = by_model(load_metrics(metrics_path))
+    if not models:
+        raise ValueError(f"{metrics_path} has no step records (lines with model, version, reward_mean)")
+    panels = training_panels(metrics_path)
+    if not panels:
+        raise ValueError(f"{metrics_path}: the step records hold none of the loss's statistics")
+    cols = 2 if len(panels) > 1 else 1
+    rows = (len(panels) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(11, 2.8 * rows + 0.6), squeeze=False)
+    flat = [ax for row in axes for ax in row]
+    colors = {m: f"C{i}" for i, m in enumerate(models)}
+    styles = ["-", "--", ":"]
+    for ax, (title, series) in zip(flat, panels, strict=False):
+        labels = sorted({lab for lab, _, _, _ in series})
+        for j, (label, model, xs, ys) in enumerate(series):
+            if model is None:  # tokens per question: one line per agent, the total in black
+                ax.plot(xs, ys, marker="o", linewidth=2.5 if label == "total" else 1.2,
+                        color="black" if label == "total" else f"C{j}", label=label)
+            else:
+                ax.plot(xs, ys, color=colors[model], linestyle=styles[labels.index(label) % len(styles)],
+                        linewidth=1.3, label=f"{model}: {label}" if len(labels) > 1 or len(models) > 1 else label)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("version", fontsize=8)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in flat[len(panels):]:
+        ax.axis("off")
+    fig.suptitle(f"Chorus run {metrics_path.parent.name}: the loss's statistics (mean of "
+                 f"{smoothing_window(max(len(rs) for rs in models.values()))} steps)")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
     plt.close(fig)
     return out

@@ -32,7 +32,7 @@ from shared.bus import connect, ensure_run, kv_get_int
 from shared.codec import DecodeError, decode_json
 from shared.config import ChorusConfig, ConfigError, load_config
 from shared.natsserver import NatsServer
-from shared.plotting import eval_table_rows, load_evals, plot_run, summarize
+from shared.plotting import eval_table_rows, load_evals, plot_run, plot_training, summarize
 from shared.progress import ProgressView, RunTracker
 from shared.service import EX_RUN_FAILED
 from shared.subjects import Names
@@ -491,6 +491,7 @@ def _report(run_dir: Path, console: Console) -> None:
     try:
         png = plot_run(metrics, run_dir / "reward.png")
         console.print(f"reward plot: {png}")
+        console.print(f"training plot: {plot_training(metrics, run_dir / 'training.png')}")
     except ValueError as exc:
         console.print(f"[yellow]no plot: {exc}")
     console.print(summary_table(summarize(metrics)))
@@ -500,23 +501,34 @@ def _report(run_dir: Path, console: Console) -> None:
 
 
 def eval_line(ev: dict[str, Any]) -> str:
-    """One evaluation as a progress line: ``held-out pass@1 at version 20: final 0.417 (solver 0.417, ...)``."""
+    """One evaluation as a progress line: ``held-out pass@1 at version 20: final answer 0.417 (solver 0.417, ...)``,
+    then Maj@N and the tokens per question when the record has them."""
     pass1 = ev.get("pass1")
     agents = ", ".join(f"{a} {v:.3f}" for a, v in pass1.items() if isinstance(v, int | float)) \
         if isinstance(pass1, dict) else ""
     final = ev.get("final")
     final_text = f"{final:.3f}" if isinstance(final, int | float) else "?"
-    return f"held-out pass@1 at version {ev.get('version')}: final answer {final_text}" + (
-        f" ({agents})" if agents else "")
+    n = ev.get("samples", 1)
+    line = f"held-out pass@1{f' (mean of {n})' if isinstance(n, int) and n > 1 else ''} at version " \
+           f"{ev.get('version')}: final answer {final_text}" + (f" ({agents})" if agents else "")
+    maj = ev.get("maj")
+    if isinstance(n, int) and n > 1 and isinstance(maj, dict) and isinstance(maj.get("final"), int | float):
+        line += f"; Maj@{n} {maj['final']:.3f}"
+    tokens = ev.get("tokens_per_question")
+    if isinstance(tokens, dict) and isinstance(tokens.get("total"), int | float):
+        line += f"; {tokens['total']:.1f} tokens per question"
+    return line
 
 
 def eval_table(evals: list[dict[str, Any]]) -> Table:
     first, last = evals[0], evals[-1]
-    t = Table(title=f"held-out pass@1 ({first.get('n', '?')} tasks): version {first['version']} -> {last['version']}")
+    n = last.get("samples", 1)
+    what = "held-out pass@1" + (f" (mean of {n} samples)" if isinstance(n, int) and n > 1 else "")
+    t = Table(title=f"{what} ({first.get('n', '?')} tasks): version {first['version']} -> {last['version']}")
     for col in ("", "before", "after", "delta"):
         t.add_column(col, justify="left" if not col else "right")
-    for what, a, b in eval_table_rows(evals):
-        t.add_row(what, f"{a:.3f}", f"{b:.3f}", f"{b - a:+.3f}")
+    for row, a, b in eval_table_rows(evals):
+        t.add_row(row, f"{a:.3f}", f"{b:.3f}", f"{b - a:+.3f}")
     return t
 
 

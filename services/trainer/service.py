@@ -316,7 +316,7 @@ class TrainerService(Service):
         record = StepRecord(model=self.model, version=result.version, dropped_stale=self.counters["dropped_stale"],
                             step_seconds=round(step_s, 6), loss=result.loss, **self.book.summary())  # type: ignore[arg-type]
         line = record.model_dump(mode="json", exclude={"schema_"})
-        fields = {**line, "grad_norm": result.grad_norm,
+        fields = {**line, "grad_norm": result.grad_norm, "steps_skipped": self.counters["steps_skipped_nonfinite"],
                   "adapter_samples": dict(sorted(self.book.adapters.items())), **result.stats}
         self.recent.add(result.version, self.book.sample_ids)
         self.book = StepBook()
@@ -337,7 +337,8 @@ class TrainerService(Service):
         await self._safe(lambda: self.nc.flush(timeout=5))
         self.counters["steps"] += 1
         # the step record, with the loss's statistics (clip fractions, KL estimates, IS weights, grad norm)
-        metrics = {**line, "grad_norm": result.grad_norm, **result.stats}
+        metrics = {**line, "grad_norm": result.grad_norm, "steps_skipped": self.counters["steps_skipped_nonfinite"],
+                   **result.stats}
         await asyncio.to_thread(append_line, self.metrics_path, json.dumps(metrics, separators=(",", ":")))
         self.log.info("step", version=result.version, samples=result.samples, loss=round(result.loss, 5),
                       reward_mean=round(record.reward_mean, 4), commit_s=round(self.commits.last_seconds, 3))

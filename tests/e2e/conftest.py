@@ -18,12 +18,16 @@ CHORUS = str(Path(sys.executable).parent / "chorus")
 pytestmark = pytest.mark.e2e
 
 
-def small_run_config(tmp_path: Path, run_id: str, **train: object) -> Path:
-    """configs/tiny-chain.yaml shrunk for a test: one group per step, quick versions."""
+def small_run_config(tmp_path: Path, run_id: str, sections: dict[str, dict[str, object]] | None = None,
+                     **train: object) -> Path:
+    """configs/tiny-chain.yaml shrunk for a test: one group per step, quick versions; ``train`` keys and whole
+    ``sections`` (merged into the file's) on top."""
     base = yaml.safe_load((ROOT / "configs" / "tiny-chain.yaml").read_text())
     base["run"] = {"id": run_id, "dir": str(tmp_path / "runs"), "seed": 0}
     base.pop("nats", None)
     base.setdefault("train", {}).update({"checkpoint_every": 0, **train})
+    for name, values in (sections or {}).items():
+        base.setdefault(name, {}).update(values)
     base["metrics_interval_s"] = 0.5
     path = tmp_path / f"{run_id}.yaml"
     path.write_text(yaml.safe_dump(base))

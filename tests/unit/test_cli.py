@@ -112,6 +112,38 @@ def test_an_eval_event_prints_as_one_line_of_rounded_figures() -> None:
     assert eval_line({"version": 3, "pass1": "junk"}) == "held-out pass@1 at version 3: final answer ?"
 
 
+def test_the_loss_statistics_and_the_evaluation_figures_are_plotted_and_tabled(tmp_path: Path) -> None:
+    from shared.plotting import training_panels
+
+    m = tmp_path / "metrics.jsonl"
+    steps = [{"model": "a", "version": v, "reward_mean": 0.1, "grad_norm": 1.0 / v, "clip_frac": 0.01 * v,
+              "approx_kl_mu": 0.001, "kl_ref": 0.002 * v, "entropy": 2.0, "is_weight_mean": 1.0,
+              "is_weight_max": 1.5, "steps_skipped": 0} for v in range(1, 4)]
+    evals = [{"kind": "eval", "version": v, "n": 8, "samples": 4, "pass1": {"solver": p}, "final": p,
+              "pass_at_k": {"final": {"1": p, "2": p + 0.1, "4": p + 0.2}, "solver": {"1": p}},
+              "maj": {"final": p + 0.05, "solver": p}, "tokens_per_question": {"solver": t, "total": t}}
+             for v, p, t in ((0, 0.25, 6.0), (3, 0.5, 4.0))]
+    m.write_text("\n".join(json.dumps(x) for x in [*steps, *evals]) + "\n")
+    panels = dict(training_panels(m))
+    assert [(lab, ys) for lab, _, _, ys in panels["KL estimates (token mean)"]] == [
+        ("to mu (k1)", [0.001] * 3), ("to the reference", pytest.approx([0.002, 0.004, 0.006]))]
+    assert panels["held-out tokens generated per question (one rollout)"][-1] == ("total", None, [0, 3], [6.0, 4.0])
+    assert "gradient norm (before clipping)" in panels and "entropy (token mean)" in panels
+    r = CliRunner().invoke(app, ["plot", str(tmp_path)])
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for row in ("final answer pass@4", "final answer Maj@4", "tokens per question", "mean of 4 samples"):
+        assert row in r.output, row
+    assert "0.700 │ +0.250" in r.output  # pass@4 0.45 -> 0.70
+
+
+def test_an_eval_of_n_samples_prints_maj_at_n_and_the_tokens() -> None:
+    ev = {"version": 5, "samples": 4, "final": 0.5, "pass1": {"solver": 0.25}, "maj": {"final": 0.75},
+          "tokens_per_question": {"total": 12.25}}
+    assert eval_line(ev) == ("held-out pass@1 (mean of 4) at version 5: final answer 0.500 (solver 0.250); "
+                             "Maj@4 0.750; 12.2 tokens per question")
+
+
 def test_plot_of_a_directory_without_metrics_fails(tmp_path: Path) -> None:
     r = CliRunner().invoke(app, ["plot", str(tmp_path)])
     assert r.exit_code == 2
