@@ -29,7 +29,6 @@ from services.coordinator.workflows import (
 )
 from services.coordinator.workflows.api import best_of
 from services.trainer.grpo import group_advantages, micro_batch_advantages
-from services.trainer.service import TrainerService
 from shared.advantages import group_advantages as np_group_advantages
 from shared.config import ChorusConfig
 from shared.schemas import Array, Sample
@@ -292,12 +291,13 @@ def test_micro_batch_advantages_use_the_given_ones_and_compute_the_rest_within_t
 
 
 def test_trainer_accumulate_passes_given_and_computed_advantages_of_the_kept_rows():
+    from services.trainer.learner import Learner
+
     got: list[tuple[list[str], list[float]]] = []
-    learner = SimpleNamespace(batch_level=False,
+    learner = SimpleNamespace(batch_level=False, kl_reward=False,
                               accumulate=lambda s, a: got.append(([x.sample_id for x in s], list(a))) or 0.0)
     samples = [sample("g1", 0, 1.0, 0.7), sample("g1", 1, 0.0, -0.7), sample("g2", 0, 1.0), sample("g2", 1, 0.0)]
     # Row 3 was dropped (stale): it still counts for its group's mean and std, as before.
-    service = SimpleNamespace(learner=learner, cfg=SimpleNamespace(train=SimpleNamespace(advantage="grpo")))
-    TrainerService._accumulate(service, samples, [0, 1, 2])  # type: ignore[arg-type]
+    Learner.micro_batch(learner, samples, [0, 1, 2], "grpo")  # type: ignore[arg-type]
     (ids, adv), = got
     assert ids == ["g1_0", "g1_1", "g2_0"] and adv == pytest.approx([0.7, -0.7, 1.0], abs=1e-5)
