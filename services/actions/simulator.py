@@ -10,7 +10,9 @@
 - ``fixed-<d>``: action-level allocation with a fixed degree of parallelism, FCFS per node: a test suite takes d
   cores (the action's maximum when lower), a tool call one; cores are exclusive.
 - ``elastic``: ARL-Tangram's scheduler (:func:`services.actions.elastic.schedule`, depth 2) per node over FCFS
-  queues: test suites scale within 1..32 cores by their Amdahl elasticity, tool calls take one core.
+  queues: test suites scale within 1..32 cores by their Amdahl elasticity, tool calls take one core. It runs in
+  scheduling rounds, once every ``window_s`` while a queue is not empty, over what gathered since the last round
+  (run at every arrival, it would see a queue of one and give each early arrival all it can take).
 
 Trajectories are placed on nodes by memory balance (the node with the least trajectory memory held) at their first
 action, as the paper's CPU manager does; all later actions of a trajectory run there. The trace and every other
@@ -52,6 +54,7 @@ class TraceConfig:
     serial_max: float = 0.15
     max_dop: int = 32
     burst_jitter_s: float = 2.0
+    window_s: float = 0.5  # the elastic scheduler runs once per window over the queue gathered since the last one
 
 
 @dataclass
@@ -227,14 +230,35 @@ class _Exclusive(_Base):
             node = self.place(traj)
         step = self.steps[traj][self.next_step[traj]]
         self.queue[node].append((self.action(traj, step), traj, self.now))
-        self.dispatch(node)
+        self.dispatch_or_wait(node)
 
     def wake(self, traj: int) -> None:
+        if traj < 0:  # a scheduling round of the elastic policy
+            self.round_due = False
+            for node in range(self.cfg.nodes):
+                self.dispatch(node)
+            if any(self.queue):
+                self.ask_round()
+            return
         node = self.node_of[traj]
         run, _ = self.running[node].pop(traj)
         self.free[node] += run.dop
         self.finished(run)
-        self.dispatch(node)
+        self.dispatch_or_wait(node)
+
+    round_due = False
+
+    def ask_round(self) -> None:
+        if not self.round_due:
+            self.round_due = True
+            window = self.cfg.window_s
+            self.push((math.floor(self.now / window) + 1) * window, "done", -1)
+
+    def dispatch_or_wait(self, node: int) -> None:
+        if self.fixed is None:
+            self.ask_round()  # the elastic scheduler decides in rounds
+        else:
+            self.dispatch(node)
 
     def dispatch(self, node: int) -> None:
         q = self.queue[node]
