@@ -140,3 +140,18 @@ def echo(payload: dict[str, Any]) -> dict[str, Any]:
         blob = bytearray(int(payload["alloc_mb"]) * 1024 * 1024)
         return {"allocated": len(blob)}
     return dict(payload)
+
+
+@register("cpu_affinity")
+def cpu_affinity(payload: dict[str, Any]) -> dict[str, Any]:
+    """Where actions run: the CPUs this action's process (and what it forks) may use, and its pid. With
+    ``{"spin_s": x}`` it also keeps each of them busy for x seconds (a CPU-bound action for the scheduler's tests
+    and benchmark)."""
+    spin = payload.get("spin_s", 0.0)
+    if not isinstance(spin, int | float) or not 0 <= spin <= 60:
+        raise ValueError(f"cpu_affinity: spin_s must be a number of seconds in [0, 60], got {spin!r}")
+    if spin:
+        end = time.monotonic() + float(spin)
+        while time.monotonic() < end:
+            pass
+    return {"cpus": sorted(os.sched_getaffinity(0)), "pid": os.getpid()}

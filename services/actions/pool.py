@@ -19,6 +19,7 @@ from typing import Any
 import msgpack
 import structlog
 
+from services.actions.resources import CpuManager, local_node
 from services.actions.scheduler import FcfsScheduler
 
 HEADER = struct.Struct(">I")
@@ -101,13 +102,18 @@ class Worker:
                 pass
         await self.kill()
 
-    async def call(self, kind: str, payload: dict[str, Any], timeout_s: float) -> Outcome:
-        """Run one action; on timeout the worker is killed (the caller replaces it)."""
+    async def call(self, kind: str, payload: dict[str, Any], timeout_s: float,
+                   cpus: list[int] | None = None) -> Outcome:
+        """Run one action (bound to ``cpus`` when given); on timeout the worker is killed (the caller replaces
+        it)."""
         if not self.alive:
             await self.start()
         t0 = time.monotonic()
         try:
-            await self._write({"kind": kind, "payload": payload, "timeout_s": timeout_s})
+            request: dict[str, Any] = {"kind": kind, "payload": payload, "timeout_s": timeout_s}
+            if cpus is not None:
+                request["cpus"] = cpus
+            await self._write(request)
             reply = await asyncio.wait_for(self._read(), timeout_s)
         except TimeoutError:
             await self.kill()
@@ -136,6 +142,8 @@ class WorkerPool:
 
     def __init__(self, size: int, memory_mb: int, python: str = sys.executable) -> None:
         self.scheduler = FcfsScheduler(size)
+        # allocate-on-execution (ARL-Tangram §5.2): each action's process is bound to exactly the cores it holds
+        self.cpu = CpuManager([local_node(size)])
         self.workers = [Worker(memory_mb, python) for _ in range(size)]
         self._idle = list(self.workers)
         self.counters: Counter[str] = Counter()
@@ -154,9 +162,11 @@ class WorkerPool:
         async with self.scheduler.slot(1):
             # The scheduler grants at most `size` slots, so an idle worker always exists here.
             worker = self._idle.pop()
+            cores = self.cpu.allocate("local", 1)
+            assert cores is not None  # the scheduler grants no more cores than the CPU manager holds
             try:
                 try:
-                    outcome = await worker.call(kind, payload, timeout_s)
+                    outcome = await worker.call(kind, payload, timeout_s, self.cpu.nodes["local"].cpus(cores))
                 except RuntimeError as exc:  # the worker could not (re)start
                     self.counters["start_failures"] += 1
                     return Outcome(None, str(exc), 0.0)
@@ -165,6 +175,7 @@ class WorkerPool:
                     await self._replace(worker)
                 return outcome
             finally:
+                self.cpu.release("local", cores)
                 self._idle.append(worker)
 
     def _count(self, outcome: Outcome) -> None:

@@ -15,9 +15,11 @@
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 
 # --- §5.1 basic manager ----------------------------------------------------------------------------------------------
@@ -83,13 +85,57 @@ class CpuNode:
     memory_mb: int
     busy: set[int] = field(default_factory=set)
     reserved_mb: int = 0  # memory held for the trajectories placed here
+    physical: dict[int, int] | None = None  # core id -> the CPU it runs on, when they differ (see local_node)
 
     @property
     def cores(self) -> list[int]:
         return [c for group in self.numa for c in group]
 
+    def cpus(self, cores: Sequence[int]) -> list[int]:
+        """The CPUs to bind ``cores`` to (``sched_setaffinity``)."""
+        if self.physical is None:
+            return sorted(cores)
+        return sorted({self.physical[c] for c in cores})
+
     def free_cores(self) -> int:
         return len(self.cores) - len(self.busy)
+
+
+def local_node(cores: int, memory_mb: int = 0, sysfs: Path = Path("/sys/devices/system/node")) -> CpuNode:
+    """This machine as a :class:`CpuNode` of ``cores`` cores: the cores this process may run on, grouped by the
+    NUMA nodes of ``sysfs`` (one group where it lists none). When the budget exceeds the cores there are, core ids
+    beyond them wrap around (two actions then share a physical core; the budget, not the machine, is the limit)."""
+    allowed = sorted(os.sched_getaffinity(0))
+    groups: list[list[int]] = []
+    for node in sorted(sysfs.glob("node[0-9]*"), key=lambda d: int(d.name[4:])):
+        try:
+            listed = _cpulist((node / "cpulist").read_text())
+        except OSError:
+            continue
+        group = [c for c in listed if c in allowed]
+        if group:
+            groups.append(group)
+    if not groups:
+        groups = [allowed]
+    ordered = [c for g in groups for c in g]
+    if cores <= len(ordered):
+        chosen = set(ordered[:cores])
+        return CpuNode("local", [[c for c in g if c in chosen] for g in groups if any(c in chosen for c in g)],
+                       memory_mb)
+    # a budget above the machine: logical cores i >= len(ordered) run on physical ordered[i % len(ordered)]
+    return CpuNode("local", [list(range(cores))], memory_mb, physical={i: ordered[i % len(ordered)]
+                                                                     for i in range(cores)})
+
+
+def _cpulist(text: str) -> list[int]:
+    """``0-3,8,10-11`` -> [0, 1, 2, 3, 8, 10, 11]."""
+    out: list[int] = []
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        out.extend(range(int(lo), int(hi or lo) + 1))
+    return out
 
 
 class CpuManager:

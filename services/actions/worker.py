@@ -53,6 +53,13 @@ def run_one(request: Any) -> dict[str, Any]:
         return {"ok": False, "error": f"unknown action kind {kind!r}; known: {sorted(REGISTRY)}"}
     if not isinstance(payload, dict):
         return {"ok": False, "error": f"payload must be a map, got {type(payload).__name__}"}
+    cpus = request.get("cpus")
+    if cpus is not None:
+        # allocate-on-execution: this action (and every process it forks) runs on exactly its allocated cores
+        try:
+            os.sched_setaffinity(0, [int(c) for c in cpus])
+        except (OSError, ValueError, TypeError) as exc:
+            return {"ok": False, "error": f"cannot bind the action to cores {cpus!r}: {exc}"}
     budget = request.get("timeout_s")
     token = time_budget_s.set(float(budget) if isinstance(budget, int | float) and budget > 0 else None)
     try:

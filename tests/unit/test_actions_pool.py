@@ -433,3 +433,32 @@ def test_only_exact_builtin_types_are_reported(value: object):
 def test_malformed_reports_are_not_values(data: object):
     with pytest.raises((ValueError, TypeError)):
         decode(data)
+
+
+async def test_each_action_runs_on_exactly_the_cores_it_holds(pool: WorkerPool):
+    allowed = sorted(os.sched_getaffinity(0))
+    # two CPU-bound actions at once on a budget of 2: each holds one core, and its process may use only that one
+    a, b = await asyncio.gather(pool.run("cpu_affinity", {"spin_s": 0.3}, timeout_s=10),
+                                pool.run("cpu_affinity", {"spin_s": 0.3}, timeout_s=10))
+    assert a.error is None and b.error is None, (a, b)
+    assert len(a.result["cpus"]) == 1 and len(b.result["cpus"]) == 1
+    assert set(a.result["cpus"]) | set(b.result["cpus"]) <= set(allowed)
+    if len(allowed) >= 2:  # one core per action, never the same one twice at once
+        assert a.result["cpus"] != b.result["cpus"]
+    assert pool.cpu.nodes["local"].busy == set()  # both given back
+
+
+def test_the_local_inventory_follows_numa_nodes_and_the_allowed_cpus(tmp_path):
+    from services.actions.resources import _cpulist, local_node
+
+    assert _cpulist("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11]
+    allowed = sorted(os.sched_getaffinity(0))
+    (tmp_path / "node0").mkdir()
+    (tmp_path / "node0" / "cpulist").write_text(f"{allowed[0]}\n")
+    (tmp_path / "node1").mkdir()
+    (tmp_path / "node1" / "cpulist").write_text(",".join(str(c) for c in allowed[1:]) + ",4096\n")
+    node = local_node(len(allowed), sysfs=tmp_path)
+    assert node.numa == [g for g in ([allowed[0]], allowed[1:]) if g]  # 4096 is not ours: left out
+    wide = local_node(len(allowed) + 2, sysfs=tmp_path)  # a budget above the machine wraps around its CPUs
+    assert len(wide.cores) == len(allowed) + 2
+    assert wide.cpus(wide.cores) == allowed
