@@ -155,3 +155,49 @@ def cpu_affinity(payload: dict[str, Any]) -> dict[str, Any]:
         while time.monotonic() < end:
             pass
     return {"cpus": sorted(os.sched_getaffinity(0)), "pid": os.getpid()}
+
+
+@register("cpu_tests")
+def cpu_tests(payload: dict[str, Any]) -> dict[str, Any]:
+    """An elastic test suite of real CPU work: ``serial_s`` seconds of setup on one core, then ``cases`` test cases
+    of ``case_s`` seconds each, run in parallel by ``parallelism`` processes (the cores the scheduler gave it; the
+    processes inherit the action's core binding). Every case passes; the result says how they were spread."""
+    cases, case_s, serial_s = payload.get("cases", 1), payload.get("case_s", 0.1), payload.get("serial_s", 0.0)
+    k = payload.get("parallelism", 1)
+    if not isinstance(cases, int) or not 1 <= cases <= 10_000:
+        raise ValueError(f"cpu_tests: cases must be an integer in [1, 10000], got {cases!r}")
+    for name, value in (("case_s", case_s), ("serial_s", serial_s)):
+        if not isinstance(value, int | float) or not 0 <= value <= 60:
+            raise ValueError(f"cpu_tests: {name} must be seconds in [0, 60], got {value!r}")
+    if not isinstance(k, int) or k < 1:
+        raise ValueError(f"cpu_tests: parallelism must be a positive integer, got {k!r}")
+    t0 = time.monotonic()
+    _spin(float(serial_s))
+    k = min(k, cases)
+    parent = os.getpid()
+    children = []
+    for i in range(k):
+        pid = os.fork()
+        if pid == 0:  # a test process: its share of the cases, then out (never back into the worker's loop)
+            try:
+                for _ in range(i, cases, k):
+                    _spin(float(case_s), parent)
+            finally:
+                os._exit(0)
+        children.append(pid)
+    failed = 0
+    for pid in children:
+        _, status = os.waitpid(pid, 0)
+        failed += status != 0
+    return {"cases": cases, "passed": cases if not failed else 0, "parallelism": k, "processes": len(children),
+            "seconds": time.monotonic() - t0}
+
+
+def _spin(seconds: float, parent: int | None = None) -> None:
+    """Busy CPU for ``seconds``; a child stops early when its parent (the worker) is gone."""
+    end = time.monotonic() + seconds
+    n = 0
+    while time.monotonic() < end:
+        n += 1
+        if parent is not None and n % 4096 == 0 and os.getppid() != parent:
+            return

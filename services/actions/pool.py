@@ -19,6 +19,7 @@ from typing import Any
 import msgpack
 import structlog
 
+from services.actions.elastic import Action, DurationProfile, Elasticity, Units, schedule
 from services.actions.resources import CpuManager, local_node
 from services.actions.scheduler import FcfsScheduler
 
@@ -137,16 +138,65 @@ class Worker:
         return Outcome(None, str(reply.get("error") or "action failed without a reason"), seconds)
 
 
-class WorkerPool:
-    """``size`` persistent workers; :meth:`run` waits FCFS for a core, then runs on an idle worker."""
+# Action kinds whose work spreads over the cores they get (their payload's ``parallelism``), with their elasticity
+# (ARL-Tangram §4.1). Every other kind takes one core.
+ELASTIC: dict[str, Elasticity] = {"cpu_tests": Elasticity("amdahl", serial=0.05)}
+ELASTIC_MAX_CORES = 32
 
-    def __init__(self, size: int, memory_mb: int, python: str = sys.executable) -> None:
+
+def formulate(kind: str, payload: dict[str, Any], budget: int, profile: DurationProfile) -> Action:
+    """An action's resource formulation: an elastic kind may take 1..min(budget, 32, payload ``max_cores``) cores
+    (Amdahl, the payload's ``serial`` or the kind's default), with the payload's ``t_ori`` or the kind's running
+    average; any other kind one core."""
+    elasticity = ELASTIC.get(kind)
+    if elasticity is None:
+        return Action(kind, kind, {"cpu": Units.fixed(1)}, key="cpu", elasticity=None)
+    serial = payload.get("serial")
+    if isinstance(serial, int | float) and 0 <= serial <= 1:
+        elasticity = Elasticity("amdahl", serial=float(serial))
+    cap = payload.get("max_cores")
+    hi = min(budget, ELASTIC_MAX_CORES, int(cap) if isinstance(cap, int) and cap >= 1 else ELASTIC_MAX_CORES)
+    t_ori = payload.get("t_ori")
+    action = Action(kind, kind, {"cpu": Units(1, hi)}, key="cpu", elasticity=elasticity,
+                    t_ori=float(t_ori) if isinstance(t_ori, int | float) and t_ori > 0 else None)
+    return profile.fill(action)
+
+
+class WorkerPool:
+    """``size`` persistent workers over a budget of ``size`` cores; :meth:`run` waits for cores, then runs on an
+    idle worker bound to exactly them.
+
+    ``policy="elastic"``: ARL-Tangram's scheduler (:func:`services.actions.elastic.schedule`) decides in rounds —
+    one per event-loop turn with a change (an arrival or a completion), over the queue gathered by then — which
+    waiting actions start and with how many cores; an elastic kind gets its degree of parallelism. ``"fcfs"``: one
+    core per action in arrival order (no backfilling), the baseline.
+    """
+
+    def __init__(self, size: int, memory_mb: int, python: str = sys.executable, policy: str = "elastic",
+                 depth: int = 2) -> None:
+        if policy not in ("elastic", "fcfs"):
+            raise ValueError(f"scheduling policy {policy!r} is not elastic or fcfs")
+        self.policy = policy
+        self.depth = depth
+        self.size = size
         self.scheduler = FcfsScheduler(size)
         # allocate-on-execution (ARL-Tangram §5.2): each action's process is bound to exactly the cores it holds
         self.cpu = CpuManager([local_node(size)])
         self.workers = [Worker(memory_mb, python) for _ in range(size)]
         self._idle = list(self.workers)
         self.counters: Counter[str] = Counter()
+        self.profile = DurationProfile()
+        self._waiting: list[tuple[Action, asyncio.Future[list[int]]]] = []
+        self._ends: dict[int, float] = {}  # running action -> its expected end (monotonic)
+        self._round_due = False
+
+    @property
+    def queued(self) -> int:
+        return self.scheduler.waiting if self.policy == "fcfs" else len(self._waiting)
+
+    @property
+    def busy(self) -> int:
+        return self.scheduler.busy if self.policy == "fcfs" else len(self.cpu.nodes["local"].busy)
 
     async def start(self) -> None:
         await asyncio.gather(*(w.start() for w in self.workers))
@@ -158,25 +208,84 @@ class WorkerPool:
         return [w.proc.pid if w.alive and w.proc is not None else None for w in self.workers]
 
     async def run(self, kind: str, payload: dict[str, Any], timeout_s: float) -> Outcome:
-        """Run one action (1 core) in arrival order; errors come back in the :class:`Outcome`."""
-        async with self.scheduler.slot(1):
-            # The scheduler grants at most `size` slots, so an idle worker always exists here.
-            worker = self._idle.pop()
-            cores = self.cpu.allocate("local", 1)
-            assert cores is not None  # the scheduler grants no more cores than the CPU manager holds
-            try:
+        """Run one action when the scheduler gives it cores; errors come back in the :class:`Outcome`."""
+        if self.policy == "fcfs":
+            async with self.scheduler.slot(1):
+                cores = self.cpu.allocate("local", 1)
+                assert cores is not None  # the scheduler grants no more cores than the CPU manager holds
                 try:
-                    outcome = await worker.call(kind, payload, timeout_s, self.cpu.nodes["local"].cpus(cores))
-                except RuntimeError as exc:  # the worker could not (re)start
-                    self.counters["start_failures"] += 1
-                    return Outcome(None, str(exc), 0.0)
-                self._count(outcome)
-                if not worker.alive:
-                    await self._replace(worker)
-                return outcome
-            finally:
-                self.cpu.release("local", cores)
-                self._idle.append(worker)
+                    return await self._execute(kind, payload, timeout_s, cores)
+                finally:
+                    self.cpu.release("local", cores)
+        action = formulate(kind, payload, self.size, self.profile)
+        fut: asyncio.Future[list[int]] = asyncio.get_running_loop().create_future()
+        self._waiting.append((action, fut))
+        self._ask_round()
+        try:
+            cores = await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self.cpu.release("local", fut.result())
+            self._waiting = [(a, f) for a, f in self._waiting if f is not fut]
+            self._ask_round()
+            raise
+        key = id(fut)
+        self._ends[key] = time.monotonic() + action.get_dur(len(cores))
+        t0 = time.monotonic()
+        try:
+            elastic = kind in ELASTIC
+            outcome = await self._execute(kind, {**payload, "parallelism": len(cores)} if elastic else payload,
+                                          timeout_s, cores)
+            if outcome.error is None and elastic:
+                self.profile.observe(action, len(cores), time.monotonic() - t0)
+            return outcome
+        finally:
+            self._ends.pop(key, None)
+            self.cpu.release("local", cores)
+            self._ask_round()
+
+    def _ask_round(self) -> None:
+        if not self._round_due:
+            self._round_due = True
+            asyncio.get_running_loop().call_soon(self._round)
+
+    def _round(self) -> None:
+        """One scheduling round: Algorithm 1 over the waiting actions and the free cores."""
+        self._round_due = False
+        self._waiting = [(a, f) for a, f in self._waiting if not f.done()]
+        free = self.cpu.nodes["local"].free_cores()
+        if not self._waiting or free <= 0:
+            return
+        now = time.monotonic()
+        decision = schedule([a for a, _ in self._waiting], {"cpu": free},
+                            {"cpu": [max(0.0, end - now) for end in self._ends.values()]}, depth=self.depth)
+        started = {id(a): units["cpu"] for a, units in decision.start}
+        left = []
+        for action, fut in self._waiting:
+            n = started.get(id(action))
+            if n is None:
+                left.append((action, fut))
+                continue
+            cores = self.cpu.allocate("local", n)
+            assert cores is not None  # the scheduler never allocates more than is free
+            fut.set_result(cores)
+        self._waiting = left
+
+    async def _execute(self, kind: str, payload: dict[str, Any], timeout_s: float, cores: list[int]) -> Outcome:
+        # At most `size` actions hold cores at once (each holds at least one), so an idle worker exists here.
+        worker = self._idle.pop()
+        try:
+            try:
+                outcome = await worker.call(kind, payload, timeout_s, self.cpu.nodes["local"].cpus(cores))
+            except RuntimeError as exc:  # the worker could not (re)start
+                self.counters["start_failures"] += 1
+                return Outcome(None, str(exc), 0.0)
+            self._count(outcome)
+            if not worker.alive:
+                await self._replace(worker)
+            return outcome
+        finally:
+            self._idle.append(worker)
 
     def _count(self, outcome: Outcome) -> None:
         if outcome.error is None:

@@ -34,7 +34,7 @@ class ActionsService(Service):
             self.log.warning(f"code actions run WITHOUT namespace isolation: {reason}")
         else:
             self.log.info("code actions run in Linux namespaces", isolation=reason)
-        self.pool = WorkerPool(acfg.cores, acfg.memory_mb)
+        self.pool = WorkerPool(acfg.cores, acfg.memory_mb, policy=acfg.scheduler)
         await self.pool.start()
         self._inflight: set[asyncio.Task[None]] = set()
         self._sub = await self.nc.subscribe(
@@ -56,9 +56,10 @@ class ActionsService(Service):
             return {}
         return {
             "in_flight": len(self._inflight),
-            "queued": pool.scheduler.waiting,
-            "busy_cores": pool.scheduler.busy,
-            "cores": pool.scheduler.cores,
+            "queued": pool.queued,
+            "busy_cores": pool.busy,
+            "cores": pool.size,
+            "scheduler": pool.policy,
             "pool": dict(pool.counters),
             "isolation": self.isolation[0],
         }

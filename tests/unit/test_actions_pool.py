@@ -462,3 +462,36 @@ def test_the_local_inventory_follows_numa_nodes_and_the_allowed_cpus(tmp_path):
     wide = local_node(len(allowed) + 2, sysfs=tmp_path)  # a budget above the machine wraps around its CPUs
     assert len(wide.cores) == len(allowed) + 2
     assert wide.cpus(wide.cores) == allowed
+
+
+async def test_the_elastic_pool_gives_an_elastic_test_suite_its_parallelism():
+    pool = WorkerPool(2, memory_mb=256, policy="elastic")
+    await pool.start()
+    try:
+        alone = await pool.run("cpu_tests", {"cases": 4, "case_s": 0.05, "t_ori": 0.2}, timeout_s=20)
+        assert alone.error is None, alone
+        # alone on a budget of 2: it gets both cores and really runs its cases in 2 processes
+        assert alone.result["parallelism"] == 2 and alone.result["processes"] == 2 and alone.result["passed"] == 4
+        probe = await pool.run("cpu_affinity", {}, timeout_s=10)  # a plain kind: one core
+        assert len(probe.result["cpus"]) == 1
+        assert pool.profile.t_ori("cpu_tests") is not None  # its run fed the kind's duration profile
+    finally:
+        await pool.close()
+
+
+async def test_a_slow_action_does_not_delay_a_fast_one_submitted_with_it():
+    pool = WorkerPool(2, memory_mb=256, policy="elastic")
+    await pool.start()
+    try:
+        t0 = time.monotonic()
+        done: dict[str, float] = {}
+
+        async def one(name: str, spin: float) -> None:
+            out = await pool.run("cpu_affinity", {"spin_s": spin}, timeout_s=20)
+            assert out.error is None, out
+            done[name] = time.monotonic() - t0
+
+        await asyncio.gather(one("slow", 2.0), one("fast", 0.05))
+        assert done["fast"] < done["slow"], done  # answered as soon as it ended, not with the slow one
+    finally:
+        await pool.close()
