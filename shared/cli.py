@@ -160,8 +160,12 @@ async def _status(cfg: ChorusConfig, url: str) -> RenderableType:
             "no service of this run answered $SRV.PING"
         if kv is None:
             t.caption += f" (no KV bucket {names.kv_bucket}: is the run id right? `chorus up` appends a timestamp)"
-        tables = agent_table(await _mq_metrics(nc, names, answers))
-        return t if tables is None else Group(t, tables)
+        parts: list[RenderableType] = [t]
+        for extra in (agent_table(await _mq_metrics(nc, names, answers)),
+                      act_table(await _service_metrics(nc, names, answers, "actions"))):
+            if extra is not None:
+                parts.append(extra)
+        return t if len(parts) == 1 else Group(*parts)
     finally:
         await nc.close()
 
@@ -182,6 +186,58 @@ async def _mq_metrics(nc: Any, names: Names, answers: list[dict[str, Any]]) -> d
     metas = [a.get("metadata") or {} for a in answers if a.get("name") == "chorus-mq"]
     replies = await asyncio.gather(*(ask(str(m.get("model")), str(m.get("instance"))) for m in metas))
     return {model: r for model, r in replies if isinstance(r, dict)}
+
+
+async def _service_metrics(nc: Any, names: Names, answers: list[dict[str, Any]],
+                           service: str) -> dict[str, dict[str, Any]]:
+    """Metrics of every instance of ``service`` (a service without a model) that answered the ping, by instance."""
+    import nats
+
+    from shared.codec import DecodeError, decode_json
+
+    async def ask(instance: str) -> tuple[str, Any]:
+        try:
+            msg = await nc.request(names.status(service, None, instance), b"", timeout=2.0)
+            return instance, decode_json(msg.data)
+        except (nats.errors.Error, TimeoutError, DecodeError):
+            return instance, None
+
+    metas = [a.get("metadata") or {} for a in answers if a.get("name") == f"chorus-{service}"]
+    replies = await asyncio.gather(*(ask(str(m.get("instance"))) for m in metas))
+    return {i: r for i, r in replies if isinstance(r, dict)}
+
+
+def act_table(metrics: Mapping[str, Mapping[str, Any]]) -> Table | None:
+    """The actions service: per instance its queue, busy cores and mean ACT per resource, then per action kind
+    the ACT (mean, p50, p99) split into queue, execution and overhead; None if no actions service answered."""
+    if not metrics:
+        return None
+    t = Table(title="actions: action completion time (ACT) = queue + execution + overhead, seconds")
+    for col in ("instance", "scheduler", "queue", "busy cores", "kind / resource", "n", "mean ACT", "p50", "p99",
+                "queue s", "exec s", "overhead s"):
+        t.add_column(col, justify="left" if col in ("instance", "scheduler", "kind / resource") else "right")
+
+    def f(v: object) -> str:
+        return f"{v:.3f}" if isinstance(v, int | float) and not isinstance(v, bool) else "-"
+
+    for instance, m in sorted(metrics.items()):
+        act = m.get("act") if isinstance(m.get("act"), Mapping) else {}
+        head = (instance, str(m.get("scheduler", "-")), _n(m.get("queue_len")),
+                f"{_n(m.get('busy_cores'))}/{_n(m.get('cores'))}")
+        resources = act.get("resources") if isinstance(act.get("resources"), Mapping) else {}
+        for r, v in sorted(resources.items()):
+            if isinstance(v, Mapping):
+                t.add_row(*head, f"resource {r}", _n(v.get("n")), f(v.get("mean")), "", "", "", "", "")
+                head = ("", "", "", "")
+        kinds = act.get("kinds") if isinstance(act.get("kinds"), Mapping) else {}
+        for k, v in sorted(kinds.items()):
+            if isinstance(v, Mapping):
+                t.add_row(*head, k, _n(v.get("n")), *(f(v.get(x)) for x in ("mean", "p50", "p99", "queue", "exec",
+                                                                              "overhead")))
+                head = ("", "", "", "")
+        if head[0]:
+            t.add_row(*head, "no action yet", "", "", "", "", "", "", "")
+    return t
 
 
 def agent_table(metrics: Mapping[str, Mapping[str, Any]]) -> Table | None:

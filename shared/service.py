@@ -80,6 +80,10 @@ class Service:
     async def teardown(self) -> None:
         """Drain in-flight work before the connection drains."""
 
+    def periodic_metrics(self) -> dict[str, Any]:
+        """What only the periodic metrics message carries (records since the last one), not the status reply."""
+        return {}
+
     def extra_metrics(self) -> dict[str, Any]:
         """Gauges added to the periodic metrics message."""
         return {}
@@ -330,7 +334,7 @@ class Service:
     async def _metrics_loop(self) -> None:
         subject = self.names.metrics(self.name, f"{self.model}-{self.instance}" if self.model else self.instance)
         while not self.stopping:
-            await self.publish_quietly(subject, encode_json(self.metrics_snapshot()))
+            await self.publish_quietly(subject, encode_json({**self.metrics_snapshot(), **self.periodic_metrics()}))
             await asyncio.sleep(self.cfg.metrics_interval_s)
 
     async def _status_handler(self, req: Request) -> None:

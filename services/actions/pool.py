@@ -7,11 +7,12 @@ that dies mid-action is replaced and the action answers an error, never the serv
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import struct
 import sys
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,11 +32,57 @@ log = structlog.get_logger("actions.pool")
 
 @dataclass
 class Outcome:
-    """What one action produced: a result dict, or an error string."""
+    """What one action produced: a result dict, or an error string; ``seconds`` its worker round trip, ``exec_s``
+    the action's own run inside the worker (0 when it did not run), ``queue_s`` its wait for cores."""
 
     result: dict[str, Any] | None
     error: str | None
     seconds: float
+    exec_s: float = 0.0
+    queue_s: float = 0.0
+
+
+class ActBook:
+    """Action completion times (ARL-Tangram's ACT) split into queue, execution and overhead (the round trip to the
+    worker, the binding, the result's way back), per action kind and per resource; the last ``keep`` of each."""
+
+    def __init__(self, keep: int = 2048) -> None:
+        self.keep = keep
+        self.by_kind: dict[str, deque[tuple[float, float, float]]] = {}
+        self.by_resource: dict[str, deque[float]] = {}
+        self.recent: list[dict[str, Any]] = []  # since the last drain: what the metrics subject carries
+
+    def record(self, kind: str, resource: str, cores: int, queue_s: float, exec_s: float, total_s: float) -> None:
+        overhead = max(0.0, total_s - queue_s - exec_s)
+        self.by_kind.setdefault(kind, deque(maxlen=self.keep)).append((queue_s, exec_s, overhead))
+        self.by_resource.setdefault(resource, deque(maxlen=self.keep)).append(total_s)
+        if len(self.recent) < self.keep:
+            self.recent.append({"kind": kind, "cores": cores, "queue_s": round(queue_s, 6),
+                                "exec_s": round(exec_s, 6), "overhead_s": round(overhead, 6)})
+
+    def drain(self) -> list[dict[str, Any]]:
+        out, self.recent = self.recent, []
+        return out
+
+    def summary(self) -> dict[str, Any]:
+        """Per kind: count, ACT mean / p50 / p99 and the mean of each part; per resource: count and mean ACT."""
+        kinds = {}
+        for kind, rows in sorted(self.by_kind.items()):
+            acts = sorted(q + e + o for q, e, o in rows)
+            n = len(acts)
+            kinds[kind] = {"n": n, "mean": sum(acts) / n, "p50": percentile(acts, 0.5), "p99": percentile(acts, 0.99),
+                           "queue": sum(q for q, _, _ in rows) / n, "exec": sum(e for _, e, _ in rows) / n,
+                           "overhead": sum(o for _, _, o in rows) / n}
+        resources = {r: {"n": len(v), "mean": sum(v) / len(v)} for r, v in sorted(self.by_resource.items()) if v}
+        return {"kinds": kinds, "resources": resources}
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    """The nearest-rank percentile of already sorted values (0 for none)."""
+    if not sorted_values:
+        return 0.0
+    k = max(0, min(len(sorted_values) - 1, math.ceil(q * len(sorted_values)) - 1))
+    return sorted_values[k]
 
 
 class Worker:
@@ -134,7 +181,8 @@ class Worker:
             result = reply.get("result")
             if not isinstance(result, dict):
                 return Outcome(None, f"action {kind!r} returned {type(result).__name__}, expected a dict", seconds)
-            return Outcome(result, None, seconds)
+            exec_s = reply.get("exec_s")
+            return Outcome(result, None, seconds, float(exec_s) if isinstance(exec_s, int | float) else 0.0)
         return Outcome(None, str(reply.get("error") or "action failed without a reason"), seconds)
 
 
@@ -186,6 +234,7 @@ class WorkerPool:
         self._idle = list(self.workers)
         self.counters: Counter[str] = Counter()
         self.profile = DurationProfile()
+        self.acts = ActBook()
         self._waiting: list[tuple[Action, asyncio.Future[list[int]]]] = []
         self._ends: dict[int, float] = {}  # running action -> its expected end (monotonic)
         self._round_due = False
@@ -209,14 +258,17 @@ class WorkerPool:
 
     async def run(self, kind: str, payload: dict[str, Any], timeout_s: float) -> Outcome:
         """Run one action when the scheduler gives it cores; errors come back in the :class:`Outcome`."""
+        submitted = time.monotonic()
         if self.policy == "fcfs":
             async with self.scheduler.slot(1):
                 cores = self.cpu.allocate("local", 1)
                 assert cores is not None  # the scheduler grants no more cores than the CPU manager holds
+                queue_s = time.monotonic() - submitted
                 try:
-                    return await self._execute(kind, payload, timeout_s, cores)
+                    outcome = await self._execute(kind, payload, timeout_s, cores)
                 finally:
                     self.cpu.release("local", cores)
+            return self._account(kind, 1, outcome, queue_s, submitted)
         action = formulate(kind, payload, self.size, self.profile)
         fut: asyncio.Future[list[int]] = asyncio.get_running_loop().create_future()
         self._waiting.append((action, fut))
@@ -231,18 +283,23 @@ class WorkerPool:
             raise
         key = id(fut)
         self._ends[key] = time.monotonic() + action.get_dur(len(cores))
-        t0 = time.monotonic()
+        queue_s = time.monotonic() - submitted
         try:
             elastic = kind in ELASTIC
             outcome = await self._execute(kind, {**payload, "parallelism": len(cores)} if elastic else payload,
                                           timeout_s, cores)
             if outcome.error is None and elastic:
-                self.profile.observe(action, len(cores), time.monotonic() - t0)
-            return outcome
+                self.profile.observe(action, len(cores), outcome.exec_s or outcome.seconds)
         finally:
             self._ends.pop(key, None)
             self.cpu.release("local", cores)
             self._ask_round()
+        return self._account(kind, len(cores), outcome, queue_s, submitted)
+
+    def _account(self, kind: str, cores: int, outcome: Outcome, queue_s: float, submitted: float) -> Outcome:
+        outcome.queue_s = queue_s
+        self.acts.record(kind, "cpu", cores, queue_s, outcome.exec_s, time.monotonic() - submitted)
+        return outcome
 
     def _ask_round(self) -> None:
         if not self._round_due:

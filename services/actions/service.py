@@ -60,9 +60,17 @@ class ActionsService(Service):
             "busy_cores": pool.busy,
             "cores": pool.size,
             "scheduler": pool.policy,
+            "queue_len": pool.queued,
+            # ACT = queue + execution + overhead, per kind (mean, p50, p99) and per resource
+            "act": pool.acts.summary(),
             "pool": dict(pool.counters),
             "isolation": self.isolation[0],
         }
+
+    def periodic_metrics(self) -> dict[str, Any]:
+        """Each action since the last metrics message (kind, cores, queue / exec / overhead seconds), batched."""
+        pool = getattr(self, "pool", None)
+        return {"acts": pool.acts.drain()} if pool is not None else {}
 
     async def _on_request(self, msg: Msg) -> None:
         # Callbacks of one subscription run one after another: each request gets its own task so that

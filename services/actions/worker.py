@@ -11,6 +11,7 @@ import os
 import resource
 import struct
 import sys
+import time
 import traceback
 from typing import Any, BinaryIO
 
@@ -63,7 +64,9 @@ def run_one(request: Any) -> dict[str, Any]:
     budget = request.get("timeout_s")
     token = time_budget_s.set(float(budget) if isinstance(budget, int | float) and budget > 0 else None)
     try:
-        return {"ok": True, "result": fn(payload)}
+        t0 = time.monotonic()
+        result = fn(payload)
+        return {"ok": True, "result": result, "exec_s": time.monotonic() - t0}
     except MemoryError:
         return {"ok": False, "error": "MemoryError: the action exceeded the worker memory limit"}
     except Exception as exc:

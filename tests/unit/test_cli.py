@@ -427,6 +427,45 @@ async def test_status_shows_the_table_counts_of_a_live_mq(nats_url: str, run_id:
     assert [r for r in _table_rows(text) if "solver" in r] == [["a", "solver", "1", "0", "1", "1", "1", "1", "1"]]
 
 
+async def test_status_shows_the_action_completion_times_of_a_live_actions_service(nats_url: str, run_id: str,
+                                                                                 tmp_path: Path) -> None:
+    import asyncio
+
+    import nats
+
+    from services.actions.service import ActionsService
+    from shared.cli import _status
+    from shared.codec import decode, encode
+    from shared.schemas import ActionRequest, ActionResult
+
+    p = tmp_path / "c.yaml"
+    p.write_text(CONFIG.format(run=run_id, dir=tmp_path) + "actions: {cores: 2, timeout_s: 10, memory_mb: 256}\n")
+    cfg = load_config(p)
+    svc = ActionsService(cfg, nats_url=nats_url)
+    task = asyncio.create_task(svc.serve())
+    nc = await nats.connect(nats_url)
+    try:
+        for _ in range(200):
+            if getattr(svc, "_sub", None) is not None or task.done():
+                break
+            await asyncio.sleep(0.02)
+        req = ActionRequest(action_id="s1", kind="cpu_tests", payloads=[{"cases": 2, "case_s": 0.05}] * 3)
+        res = decode(ActionResult, (await nc.request(svc.names.actions_submit(), encode(req), timeout=30)).data)
+        assert res.errors == [None] * 3
+        text = _render(await _status(cfg, nats_url))
+    finally:
+        await nc.close()
+        svc.stop()
+        assert await asyncio.wait_for(task, 30) == 0
+    rows = _table_rows(text)
+    assert ["0", "elastic", "0", "0/2", "resource cpu", "3"] == [c for c in rows if "resource cpu" in c][0][:6]
+    row = [r for r in rows if "cpu_tests" in r][0]
+    kind = row[row.index("cpu_tests"):]  # the leading empty cells of a continuation row are stripped
+    mean, p50, p99, queue, exe, overhead = (float(x) for x in kind[2:8])
+    assert kind[1] == "3" and p50 <= p99 and exe > 0 and queue >= 0 and overhead >= 0
+    assert abs(queue + exe + overhead - mean) < 2e-3  # the three parts add up to the ACT
+
+
 def test_the_run_tracker_counts_trained_and_dropped_samples_once_each() -> None:
     from shared.progress import RunTracker
 
