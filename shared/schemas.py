@@ -256,6 +256,9 @@ class ActionRequest(Message):
     payloads: list[dict[str, Any]] = Field(max_length=4096)
     cores: int = Field(default=1, ge=1)
     timeout_s: float = Field(default=10.0, gt=0.0)
+    # True: every payload answers on its own as soon as it ends (an ActionResult with its ``index`` on the reply
+    # subject), instead of one answer when the slowest has ended
+    stream: bool = False
 
 
 class ActionResult(Message):
@@ -266,6 +269,7 @@ class ActionResult(Message):
     errors: list[str | None] = Field(default_factory=list)  # one per payload; None when it ran
     seconds: float = 0.0
     error: str | None = None  # the whole request failed
+    index: int | None = None  # a streamed answer: the payload it answers (its one result and error)
 
 
 # --- observability --------------------------------------------------------------------------

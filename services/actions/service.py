@@ -10,7 +10,7 @@ from nats.aio.msg import Msg
 
 from services.actions.actions import REGISTRY
 from services.actions.coderun import isolation
-from services.actions.pool import WorkerPool
+from services.actions.pool import Outcome, WorkerPool
 from shared.codec import DecodeError, decode, encode
 from shared.peers import accept
 from shared.schemas import ActionRequest, ActionResult
@@ -98,7 +98,16 @@ class ActionsService(Service):
             return
         t0 = time.monotonic()
         timeout_s = min(req.timeout_s, self.cfg.actions.timeout_s)
-        outcomes = await asyncio.gather(*(self.pool.run(req.kind, p, timeout_s) for p in req.payloads))
+
+        async def one(i: int, payload: dict[str, Any]) -> Outcome:
+            outcome = await self.pool.run(req.kind, payload, timeout_s)
+            if req.stream and msg.reply:  # this payload's answer, now: it does not wait for the others
+                await self.publish_quietly(msg.reply, encode(ActionResult(
+                    action_id=req.action_id, index=i, results=[outcome.result or {}], errors=[outcome.error],
+                    seconds=time.monotonic() - t0)))
+            return outcome
+
+        outcomes = await asyncio.gather(*(one(i, p) for i, p in enumerate(req.payloads)))
         errors = [o.error for o in outcomes]
         self.counters["actions"] += len(outcomes)
         self.counters["action_errors"] += sum(e is not None for e in errors)
@@ -111,7 +120,7 @@ class ActionsService(Service):
             errors=errors,
             seconds=time.monotonic() - t0,
         )
-        if msg.reply:
+        if msg.reply and not req.stream:
             await msg.respond(encode(result))
 
     async def _reject(self, msg: Msg, action_id: str, reason: str) -> None:

@@ -163,3 +163,28 @@ async def test_run_code_survives_loops_and_memory_bombs_and_keeps_serving(action
         assert [r["correct"] for r in math.results] == [True, False]
     finally:
         await nc.close()
+
+
+async def test_a_streamed_batch_answers_each_action_as_soon_as_it_ends(actions: ActionsService, nats_url: str):
+    """One request with a slow and a fast action: the fast one's answer arrives first, not with the slow one."""
+    import time
+
+    nc = await nats.connect(nats_url)
+    try:
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(inbox, max_msgs=2)
+        req = ActionRequest(action_id="st", kind="cpu_affinity", payloads=[{"spin_s": 0.8}, {"spin_s": 0.0}],
+                            timeout_s=5, stream=True)
+        t0 = time.monotonic()
+        await nc.publish(actions.names.actions_submit(), encode(req), reply=inbox)
+        got = []
+        for _ in range(2):
+            msg = await sub.next_msg(timeout=10)
+            res = decode(ActionResult, msg.data)
+            got.append((res.index, time.monotonic() - t0, res))
+        assert [i for i, _, _ in got] == [1, 0]  # the fast action (index 1) answered first
+        assert got[0][1] < got[1][1]
+        for i, _, res in got:
+            assert res.action_id == "st" and res.errors == [None] and "cpus" in res.results[0], res
+    finally:
+        await nc.close()
