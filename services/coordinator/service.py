@@ -23,6 +23,7 @@ from services.coordinator.workflows import (
     Episode,
     GenResult,
     Tokenizers,
+    WorkflowError,
     WorkflowTimeout,
     run_episode,
     workflow_of,
@@ -422,6 +423,11 @@ class CoordinatorService(Service):
             raw = await self._request(self.names.gen(model), data, timeout_s, "gen")
             try:
                 resp = decode(GenResponse, raw)
+                if resp.error and resp.error.startswith("rejected:"):
+                    # the request itself is wrong for this model (a prompt longer than its context, ids outside
+                    # its vocabulary): the same request would be rejected again, so it is the workflow's error
+                    self.counters["gen_rejected"] += 1
+                    raise WorkflowError(f"the rollouter of {model} {resp.error}")
                 if resp.error:
                     raise RetryableError(f"rollouter error: {resp.error}")
                 if len(resp.outputs) != len(prompts):

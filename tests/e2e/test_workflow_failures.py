@@ -42,3 +42,20 @@ async def test_a_workflow_that_raises_stops_the_run_with_its_error_after_max_fai
     assert len(stopping) == 1 and f"failed {MAX_FAILURES} times" in stopping[0]["event"], stopping
     assert "KeyError" in stopping[0]["event"]
     assert len(log) < 64 * 1024, f"coordinator log grew to {len(log)} bytes"
+
+
+async def test_prompts_longer_than_the_models_context_stop_the_run_with_the_rollouters_reason(nats_url, run_id,
+                                                                                            tmp_path):
+    """A request the rollouter rejects for good is the workflow's error, not a transient one to retry."""
+    path = small_run_config(tmp_path, run_id, {"task": {"name": "code", "max_value": 9}}, max_versions=50)
+    cfg = yaml.safe_load(path.read_text())
+    cfg["workflow"] = {**cfg["workflow"], "max_failures": 4, "retries": 0, "backoff_s": 0.05, "backoff_max_s": 0.2}
+    path.write_text(yaml.safe_dump(cfg))  # tiny-chain's 128-token context: a code task's prompt does not fit
+    code, text = await chorus_up(path, nats_url, 240)
+    assert code == 1, text[-4000:]
+    run_dir = sorted((tmp_path / "runs").glob(f"{run_id}-*"))[-1]
+    lines = [json.loads(line) for line in (run_dir / "logs" / "coordinator-0.log").read_text().splitlines()
+             if line.startswith("{")]
+    stopping = [e for e in lines if e.get("event", "").startswith("stopping the run")]
+    assert len(stopping) == 1 and "more than the model's context of 128" in stopping[0]["event"], stopping
+    assert not [e for e in lines if e.get("event") == "bad generation reply"]  # never retried as transient

@@ -184,7 +184,7 @@ async def test_a_streamed_batch_answers_each_action_as_soon_as_it_ends(actions: 
             got.append((res.index, time.monotonic() - t0, res))
         assert [i for i, _, _ in got] == [1, 0]  # the fast action (index 1) answered first
         assert got[0][1] < got[1][1]
-        for i, _, res in got:
+        for _, _, res in got:
             assert res.action_id == "st" and res.errors == [None] and "cpus" in res.results[0], res
     finally:
         await nc.close()
