@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -324,7 +325,8 @@ def test_up_stops_a_crash_loop_with_its_log_and_exits_1(nats_url: str, run_id: s
     proc = _up(tmp_path, cfg, nats_url, FAKE_CRASH="services.paramsync")
     out, _ = proc.communicate(timeout=90)
     assert proc.returncode == 1, out
-    text = " ".join(out.split())  # the console wraps long lines
+    # the console wraps long lines, also after a hyphen ("paramsync-a-" / "0")
+    text = re.sub(r"-\s+", "-", " ".join(out.split()))
     assert text.count("paramsync-a-0 exited unexpectedly with code 3; restarting it") == 5
     assert "paramsync-a-0 exited unexpectedly with code 3, 6 times within 300s (run.max_restarts 5)" in text
     assert "weights checksum mismatch" in out
