@@ -16,10 +16,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.coordinator.rewards import math_equal
 from services.coordinator.tasks import Task
 from services.coordinator.workflows import Act, Generate, Tokenizers, Workflow, run_episode
 from services.coordinator.workflows.episode import Episode
+from services.coordinator.workflows.scoring import plurality
 from shared.config import ChorusConfig
 
 CORRECT = 1.0 - 1e-9  # a turn counts as correct at full reward
@@ -52,20 +52,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 def majority_correct(answers: Sequence[Answer]) -> bool:
     """Maj@N of one question: the most common answer (equal by value: ``math_equal``) is right. Empty answers do
     not vote; ties go to the answer seen first; no answer at all is wrong."""
-    votes: list[tuple[str, list[bool]]] = []
-    for answer, correct in answers:
-        if not answer:
-            continue
-        for ref, members in votes:
-            if answer == ref or math_equal(answer, ref):
-                members.append(correct)
-                break
-        else:
-            votes.append((answer, [correct]))
-    if not votes:
-        return False
-    best = max(len(m) for _, m in votes)
-    return next(m[0] for _, m in votes if len(m) == best)
+    return bool(plurality(answers))  # None: nobody answered, wrong
 
 
 def k_values(n: int, configured: Sequence[int] | None) -> list[int]:

@@ -10,7 +10,7 @@ import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from services.coordinator.rewards import extract_answer, judge_prompt, math_equal, parse_judge
 from services.coordinator.workflows.api import Context, Turn
@@ -19,6 +19,7 @@ from shared.config import TaskConfig
 if TYPE_CHECKING:
     from services.coordinator.tasks import Task
 
+T = TypeVar("T")
 RUN_ONLY = "assert True\n"  # an answer task's program runs for what it prints; run_code needs one assert
 _FENCE = re.compile(r"```[ \t]*(?:python|py)?[ \t]*\n(.*?)(?:```|$)", re.DOTALL | re.IGNORECASE)
 
@@ -141,24 +142,30 @@ async def score_turns(ctx: Context, task: Task, turns: Sequence[Turn]) -> None:
         t["metadata"]["answer"], t["metadata"]["correct"] = s.answer, s.correct
 
 
+def plurality(votes: Sequence[tuple[str, T]]) -> T | None:
+    """The first item holding the most common answer among ``(answer, item)`` votes (answers equal by value:
+    ``math_equal``); ties go to the answer seen first; empty answers do not vote; None when nobody voted."""
+    clusters: list[tuple[str, list[T]]] = []
+    for answer, item in votes:
+        if not answer:
+            continue
+        for ref, members in clusters:
+            if answer == ref or math_equal(answer, ref):
+                members.append(item)
+                break
+        else:
+            clusters.append((answer, [item]))
+    if not clusters:
+        return None
+    best = max(len(m) for _, m in clusters)
+    return next(m[0] for _, m in clusters if len(m) == best)
+
+
 def majority(turns: Sequence[Turn]) -> Turn:
     """The turn holding the most common answer (equal answers by value); ties go to the earliest turn.
     Turns without an answer do not vote; if none has one, the first turn stands."""
     if not turns:
         raise ValueError("majority vote over no turns")
-    votes: list[tuple[str, list[Turn]]] = []
-    for t in turns:
-        answer = t["metadata"].get("answer") or extract_answer(t["agent_output"]) or ""
-        if not answer:
-            continue
-        for ref, members in votes:
-            if answer == ref or math_equal(answer, ref):
-                members.append(t)
-                break
-        else:
-            votes.append((answer, [t]))
-    if not votes:
-        return turns[0]
-    best = max(len(m) for _, m in votes)
-    return next(m[0] for _, m in votes if len(m) == best)
+    winner = plurality([(t["metadata"].get("answer") or extract_answer(t["agent_output"]) or "", t) for t in turns])
+    return turns[0] if winner is None else winner
 
