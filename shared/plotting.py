@@ -110,19 +110,27 @@ def summarize(metrics_path: str | os.PathLike[str]) -> dict[str, dict[str, float
     return summary
 
 
-def plot_run(metrics_path: str | os.PathLike[str], out_path: str | os.PathLike[str] | None = None) -> Path:
-    """Write a PNG: reward_mean per version (one line per model, per-agent rewards dashed) above
-    staleness_mean per version. Returns the PNG path (default: next to metrics.jsonl, reward.png)."""
+def _figure_inputs(metrics_path: str | os.PathLike[str], out_path: str | os.PathLike[str] | None,
+                   default_name: str) -> tuple[Any, Path, Path, dict[str, list[dict[str, Any]]]]:
+    """pyplot (on the file-only Agg backend), the metrics path, the PNG path (default: ``default_name`` next to
+    metrics.jsonl) and the step records by model; a ValueError when there is no step record."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only; never needs a display
     import matplotlib.pyplot as plt
 
     metrics_path = Path(metrics_path)
-    out = Path(out_path) if out_path is not None else metrics_path.parent / "reward.png"
+    out = Path(out_path) if out_path is not None else metrics_path.parent / default_name
     models = by_model(load_metrics(metrics_path))
     if not models:
         raise ValueError(f"{metrics_path} has no step records (lines with model, version, reward_mean)")
+    return plt, metrics_path, out, models
+
+
+def plot_run(metrics_path: str | os.PathLike[str], out_path: str | os.PathLike[str] | None = None) -> Path:
+    """Write a PNG: reward_mean per version (one line per model, per-agent rewards dashed) above
+    staleness_mean per version. Returns the PNG path (default: next to metrics.jsonl, reward.png)."""
+    plt, metrics_path, out, models = _figure_inputs(metrics_path, out_path, "reward.png")
     evals = load_evals(metrics_path)
     if evals:
         fig, (ax_r, ax_s, ax_e) = plt.subplots(3, 1, figsize=(9, 9.5), sharex=True, height_ratios=[2, 1, 1.5])
@@ -206,11 +214,13 @@ TRAINING_PANELS: list[tuple[str, list[tuple[str, str]]]] = [
 Series = tuple[str, str | None, list[int], list[float]]  # (label, model or None, versions, values)
 
 
-def training_panels(metrics_path: str | os.PathLike[str]) -> list[tuple[str, list[Series]]]:
+def training_panels(metrics_path: str | os.PathLike[str],
+                    models: dict[str, list[dict[str, Any]]] | None = None) -> list[tuple[str, list[Series]]]:
     """What :func:`plot_training` draws: per panel its title and series, from the step records (one series per
     model and key, smoothed over :func:`smoothing_window` steps) and the evaluations' tokens per question (one per
-    agent, and ``total``). Panels without data are left out."""
-    models = by_model(load_metrics(metrics_path))
+    agent, and ``total``). Panels without data are left out. ``models``: the step records by model, when the
+    caller has read them already."""
+    models = by_model(load_metrics(metrics_path)) if models is None else models
     out: list[tuple[str, list[Series]]] = []
     for title, keys in TRAINING_PANELS:
         series: list[Series] = []
@@ -238,17 +248,8 @@ def plot_training(metrics_path: str | os.PathLike[str], out_path: str | os.PathL
     """Write a PNG of the loss's statistics per version, one line per model (docs/algorithms.md#metrics-of-a-step),
     and, when evaluation is on, the held-out tokens generated per question. Default: next to metrics.jsonl,
     training.png."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    metrics_path = Path(metrics_path)
-    out = Path(out_path) if out_path is not None else metrics_path.parent / "training.png"
-    models = by_model(load_metrics(metrics_path))
-    if not models:
-        raise ValueError(f"{metrics_path} has no step records (lines with model, version, reward_mean)")
-    panels = training_panels(metrics_path)
+    plt, metrics_path, out, models = _figure_inputs(metrics_path, out_path, "training.png")
+    panels = training_panels(metrics_path, models)
     if not panels:
         raise ValueError(f"{metrics_path}: the step records hold none of the loss's statistics")
     cols = 2 if len(panels) > 1 else 1
