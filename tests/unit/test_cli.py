@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -9,7 +10,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -387,10 +390,30 @@ def test_status_table_has_one_row_per_model_and_agent_table() -> None:
     assert "no rows held by the mq of a" in _render(agent_table({"a": {"agents": {}}}))
 
 
-async def test_status_shows_the_table_counts_of_a_live_mq(nats_url: str, run_id: str, tmp_path: Path) -> None:
+@contextlib.asynccontextmanager
+async def _serving(svc: Any, ready: str, nats_url: str) -> AsyncIterator[Any]:
+    """``svc`` serving in a task (waited for until its attribute ``ready`` is set) and a client connection; on the
+    way out the connection closes and the service must stop with exit code 0."""
     import asyncio
 
     import nats
+
+    task = asyncio.create_task(svc.serve())
+    nc = await nats.connect(nats_url)
+    try:
+        for _ in range(200):
+            if getattr(svc, ready, None) is not None or task.done():
+                break
+            await asyncio.sleep(0.02)
+        yield nc
+    finally:
+        await nc.close()
+        svc.stop()
+        assert await asyncio.wait_for(task, 30) == 0
+
+
+async def test_status_shows_the_table_counts_of_a_live_mq(nats_url: str, run_id: str, tmp_path: Path) -> None:
+    import asyncio
 
     from services.mq.service import MqService
     from shared.cli import _status
@@ -403,13 +426,7 @@ async def test_status_shows_the_table_counts_of_a_live_mq(nats_url: str, run_id:
                  "train: {global_batch: 4, micro_batch: 4}\n")
     cfg = load_config(p)
     svc = MqService(cfg, nats_url=nats_url, model="a")
-    task = asyncio.create_task(svc.serve())
-    nc = await nats.connect(nats_url)
-    try:
-        for _ in range(200):
-            if getattr(svc, "sub", None) is not None or task.done():
-                break
-            await asyncio.sleep(0.02)
+    async with _serving(svc, "sub", nats_url) as nc:
         half = Sample(run=run_id, episode="t", sample_id="t_0_0", env_idx=0, rollout_idx=0, agent="solver", model="a",
                       turn=0, prompt_ids=Array.of([1, 2]), response_ids=Array.of([3]),
                       behavior_logprobs=Array.of([-0.5], "float32"), reward=1.0, group_key="t:solver:0", group_size=2,
@@ -420,10 +437,6 @@ async def test_status_shows_the_table_counts_of_a_live_mq(nats_url: str, run_id:
                 break
             await asyncio.sleep(0.02)
         text = _render(await _status(cfg, nats_url))
-    finally:
-        await nc.close()
-        svc.stop()
-        assert await asyncio.wait_for(task, 30) == 0
     assert "1 service instance(s) answered" in text
     # half a group: held and dispatchable as a row, waiting for its group
     assert [r for r in _table_rows(text) if "solver" in r] == [["a", "solver", "1", "0", "1", "1", "1", "1", "1"]]
@@ -431,9 +444,7 @@ async def test_status_shows_the_table_counts_of_a_live_mq(nats_url: str, run_id:
 
 async def test_status_shows_the_action_completion_times_of_a_live_actions_service(nats_url: str, run_id: str,
                                                                                  tmp_path: Path) -> None:
-    import asyncio
 
-    import nats
 
     from services.actions.service import ActionsService
     from shared.cli import _status
@@ -444,21 +455,11 @@ async def test_status_shows_the_action_completion_times_of_a_live_actions_servic
     p.write_text(CONFIG.format(run=run_id, dir=tmp_path) + "actions: {cores: 2, timeout_s: 10, memory_mb: 256}\n")
     cfg = load_config(p)
     svc = ActionsService(cfg, nats_url=nats_url)
-    task = asyncio.create_task(svc.serve())
-    nc = await nats.connect(nats_url)
-    try:
-        for _ in range(200):
-            if getattr(svc, "_sub", None) is not None or task.done():
-                break
-            await asyncio.sleep(0.02)
+    async with _serving(svc, "_sub", nats_url) as nc:
         req = ActionRequest(action_id="s1", kind="cpu_tests", payloads=[{"cases": 2, "case_s": 0.05}] * 3)
         res = decode(ActionResult, (await nc.request(svc.names.actions_submit(), encode(req), timeout=30)).data)
         assert res.errors == [None] * 3
         text = _render(await _status(cfg, nats_url))
-    finally:
-        await nc.close()
-        svc.stop()
-        assert await asyncio.wait_for(task, 30) == 0
     rows = _table_rows(text)
     assert ["0", "elastic", "0", "0/2", "resource cpu", "3"] == [c for c in rows if "resource cpu" in c][0][:6]
     row = [r for r in rows if "cpu_tests" in r][0]
