@@ -154,7 +154,6 @@ class _Base:
 
     def run(self) -> Result:
         rng = random.Random(1)
-        base = 0
         for burst in self.trace:
             self.steps = [list(s) for s in burst]
             self.next_step = [0] * len(burst)
@@ -163,21 +162,19 @@ class _Base:
             self.live = len(burst)
             for i in range(len(burst)):
                 self.push(self.now + rng.uniform(0, self.cfg.burst_jitter_s) + burst[i][0].gen_s, "submit", i)
-            self.begin_burst()
             while self.live:
-                t, _, what, traj = heapq.heappop(self.events)
-                self.advance(t)
-                self.now = t
-                if what == "submit":
-                    self.submit(traj)
-                else:
-                    self.wake(traj)
-            base += len(burst)
+                self.handle(*heapq.heappop(self.events))
         self.result.makespan = self.now
         return self.result
 
-    def begin_burst(self) -> None:
-        pass
+    def handle(self, t: float, _seq: int, what: str, traj: int) -> None:
+        """One event: the clock moves to ``t``, then a trajectory submits its next action or one wakes."""
+        self.advance(t)
+        self.now = t
+        if what == "submit":
+            self.submit(traj)
+        else:
+            self.wake(traj)
 
     def advance(self, t: float) -> None:
         pass
@@ -364,30 +361,19 @@ class _Shared(_Base):
     def wake(self, traj: int) -> None:
         raise AssertionError("the shared policy completes actions by ticks")
 
-    def run(self) -> Result:
-        rng = random.Random(1)
-        for burst in self.trace:
-            self.steps = [list(s) for s in burst]
-            self.next_step = [0] * len(burst)
-            self.live = len(burst)
-            for i in range(len(burst)):
-                self.push(self.now + rng.uniform(0, self.cfg.burst_jitter_s) + burst[i][0].gen_s, "submit", i)
-            while self.live:
-                t, _, what, traj = heapq.heappop(self.events)
-                if what.startswith("tick:"):
-                    _, node_s, version = what.split(":")
-                    node = int(node_s)
-                    if int(version) != self.node_version[node]:
-                        continue
-                    self.advance(t)
-                    self.now = t
-                    self.complete_due(node)
-                    continue
-                self.advance(t)
-                self.now = t
-                self.submit(traj)
-        self.result.makespan = self.now
-        return self.result
+    def handle(self, t: float, seq: int, what: str, traj: int) -> None:
+        """A completion tick of a node (skipped, clock untouched, once the node's rates changed after it was set),
+        else :meth:`_Base.handle`."""
+        if not what.startswith("tick:"):
+            super().handle(t, seq, what, traj)
+            return
+        _, node_s, version = what.split(":")
+        node = int(node_s)
+        if int(version) != self.node_version[node]:
+            return
+        self.advance(t)
+        self.now = t
+        self.complete_due(node)
 
     def complete_due(self, node: int) -> None:
         runs = self.running[node]
