@@ -481,9 +481,7 @@ class ChorusConfig(BaseSettings):
             if key not in OBJECTIVE_KEYS:
                 raise ValueError(f"models.{model}.train.{key}: not a per-model key; a model may set "
                                  f"{', '.join(OBJECTIVE_KEYS)} (the rest of train.* is one for the run)")
-        if not patch:
-            return Objective(**self.train.model_dump(include=set(OBJECTIVE_KEYS)))
-        try:
+        try:  # train.* alone passed these checks already: an error here is the model's
             return Objective(**{**self.train.model_dump(include=set(OBJECTIVE_KEYS)), **patch})
         except ValidationError as exc:
             err = exc.errors()[0]
