@@ -12,15 +12,18 @@ feasible units (a range min..max or a discrete set); its key elasticity resource
     a.getDur(m) = T_ori / (E(m) * m)
 
 The scheduler (Algorithm 1) takes the FCFS prefix of the waiting queue W that fits at minimum units as candidates
-C, splits them by key resource, starts unknown-elasticity and non-elastic candidates at their minimum, and for the
-scalable ones greedily evicts the last candidate while the approximated objective (Algorithm 2: the exact ACTs of
-the candidates from the DP allocation DPArrange, Algorithm 3, plus the ACTs of the rest of the queue estimated at
-minimum units through the completion heap, the first of them trying ``depth`` allocations) keeps falling.
+C, splits them by key resource, starts a group with no scalable member at its minimums, and otherwise greedily
+evicts the group's last candidate (scalable or not: what is evicted is always a suffix, so nobody passes an earlier
+action) while the approximated objective (Algorithm 2: the exact ACTs of the candidates from the DP allocation
+DPArrange, Algorithm 3, a non-scalable member with its minimum as its one feasible count, plus the ACTs of the rest
+of the queue estimated at minimum units through the completion heap, the first of them trying its ``depth``
+smallest unit counts) keeps falling. Evicting the whole group (t = |C_j|) lets the head wait for the next
+completion, still first in the queue.
 
 Where this code reads the listings differently from their letter, the reason is given where it happens and in
 docs/actions.md: the estimate uses one copy of the heap per ``depth`` choice; DPArrange takes the best DP state
-using at most the free units (a discrete unit set may not reach exactly all of them); eviction stops before the
-queue head would be evicted (FCFS: the head is never starved).
+using at most the free units (a discrete unit set may not reach exactly all of them); the head is never evicted
+while nothing runs on its key resource (no completion would wake it).
 """
 
 from __future__ import annotations
@@ -69,6 +72,16 @@ class Units:
 
     def elastic(self, cap: int) -> bool:
         return len(self.values(cap)) > 1
+
+    def smallest(self, count: int) -> list[int]:
+        """The ``count`` smallest feasible unit counts, whatever is free now."""
+        if self.choices is not None:
+            return sorted(self.choices)[:count]
+        hi = self.lo + count - 1 if self.hi is None else min(self.hi, self.lo + count - 1)
+        return list(range(self.lo, hi + 1))
+
+    def elastic_at_all(self) -> bool:
+        return len(self.choices) > 1 if self.choices is not None else (self.hi is None or self.hi > self.lo)
 
 
 @dataclass(frozen=True)
@@ -133,11 +146,11 @@ class Action:
             return t
         return t / (self.elasticity(m) * m)
 
-    def scalable(self, free: int) -> bool:
-        """Elastic on its key resource with a known elasticity and duration (Algorithm 1, line 6: the others start
-        at their minimum)."""
+    def scalable(self) -> bool:
+        """Elastic on its key resource: a known, non-zero elasticity, a profiled duration and more than one feasible
+        unit count (Algorithm 1, line 6: a group of which no member is scalable starts at its minimums)."""
         return (self.key is not None and self.elasticity is not None and self.elasticity.kind != "zero"
-                and self.t_ori is not None and self.cost[self.key].elastic(free))
+                and self.t_ori is not None and self.cost[self.key].elastic_at_all())
 
 
 class DurationProfile:
@@ -208,7 +221,8 @@ class DPArrange:
                  op: BasicDPOperator | None = None) -> None:
         self.candidates = list(candidates)
         self.op = op or BasicDPOperator()
-        sets = [c.cost[resource].values(free) for c in self.candidates]
+        # a member that is not scalable (zero or unknown elasticity, no profile) has one feasible count: its minimum
+        sets = [c.cost[resource].values(free) if c.scalable() else [c.cost[resource].min] for c in self.candidates]
         self.sets = sets
         m = len(self.candidates)
         # line 3: n <- min{End(U), End(S)}
@@ -223,7 +237,7 @@ class DPArrange:
         for i, (c, units) in enumerate(zip(self.candidates, sets, strict=True), start=1):
             row = self.dp[i]
             for k in units:  # line 13: all k in S_i
-                dur = c.get_dur(k)  # line 17: T_i(k)
+                dur = c.get_dur(k) if c.scalable() else c.get_dur()  # line 17: T_i(k)
                 # lines 14-20 for every j at once: j' = Prev(j, k) = j - k; a state is valid iff dp[i-1][j'] < inf
                 cand = np.full(n + 1, INF)
                 if k <= n:
@@ -246,7 +260,8 @@ class DPArrange:
             k = int(self.choice[i][j])
             units[i - 1] = k
             j = self.op.prev(j, k)
-        return Arrangement(total, units, [c.get_dur(k) for c, k in zip(self.candidates[:count], units, strict=True)])
+        return Arrangement(total, units, [c.get_dur(k) if c.scalable() else c.get_dur()
+                                          for c, k in zip(self.candidates[:count], units, strict=True)])
 
 
 # --- Appendix A: the approximated objective ----------------------------------------------------------------------------
@@ -262,7 +277,7 @@ def estimate(heap: Sequence[float], rest: Sequence[Action], depth: int, resource
     if not rest:
         return 0.0
     first = rest[0]
-    choices = first.cost[first.key].values(free)[:max(depth, 1)] if first.key is not None else [None]
+    choices = first.cost[first.key].smallest(max(depth, 1)) if first.scalable() else [None]
     choices = choices or [None]
     best = INF
     for d in choices:  # line 10: d = 1 -> depth
@@ -270,7 +285,7 @@ def estimate(heap: Sequence[float], rest: Sequence[Action], depth: int, resource
         heapq.heapify(tmp)
         obj = 0.0
         for i, a in enumerate(rest):
-            t = a.get_dur(d) if i == 0 else a.get_dur()  # lines 11 and 15
+            t = a.get_dur(d) if i == 0 and d is not None else a.get_dur()  # lines 11 and 15
             ts = heapq.heappop(tmp) if tmp else 0.0
             obj += ts + t  # lines 13 and 16
             heapq.heappush(tmp, ts + t)
@@ -347,33 +362,32 @@ def schedule(waiting: Sequence[Action], free: Mapping[str, int], executing: Mapp
     chosen: dict[int, dict[str, int]] = {}  # index in W -> units
     index = {id(a): i for i, a in enumerate(waiting)}
     for key, group in keyed.items():
-        cap = free.get(key, 0) if key is not None else 0
-        # Units of the key resource left after the group's non-scalable members take their minimum.
-        scalable = [a for a in group if key is not None and a.scalable(cap)]
-        fixed = [a for a in group if not (key is not None and a.scalable(cap))]
-        for a in fixed:  # line 6-7: unknown or zero elasticity: selected at the minimum
-            chosen[index[id(a)]] = a.min_units()
-        if not scalable:
+        if key is None or not any(a.scalable() for a in group):  # lines 6-7: no member scalable: all at the minimum
+            for a in group:
+                chosen[index[id(a)]] = a.min_units()
             continue
-        assert key is not None
-        # the key units the scalable members share: what every other candidate takes of this resource at its
-        # minimum is not theirs (scaling along the key resource leaves the others' allocations alone)
-        members = {id(a) for a in scalable}
-        units_left = cap - sum(a.min_units().get(key, 0) for a in candidates if id(a) not in members)
+        # The key units the group shares: the free units less what the candidates of other groups take of this
+        # resource at their minimum (scaling along the key resource leaves the others' allocations alone).
+        members = {id(a) for a in group}
+        units_left = free.get(key, 0) - sum(a.min_units().get(key, 0) for a in candidates if id(a) not in members)
         rest_all = [a for a in waiting[n:] if a.key == key]  # AC_j = W.split(R_j) - C_j
-        dp = DPArrange(scalable, key, units_left)
+        dp = DPArrange(group, key, units_left)
         heap = list(executing.get(key, ()))
         # line 8: obj <- getApproximatedObjective(C_j, R_j)
-        best = approximated_objective(dp, len(scalable), rest_all, heap, depth, key, units_left)
-        kept = len(scalable)
-        for t in range(1, len(scalable)):  # line 9; t < |C_j|: the queue head is never evicted
-            count = len(scalable) - t
-            new = approximated_objective(dp, count, [*scalable[count:], *rest_all], heap, depth, key, units_left)
+        best = approximated_objective(dp, len(group), rest_all, heap, depth, key, units_left)
+        kept = len(group)
+        # line 9: t = 1 -> |C_j|; t = |C_j| evicts the whole group, the head too: it then waits for the next
+        # completion, still first in the queue. With nothing running on the key resource no completion would wake
+        # it, so there the head is never evicted.
+        last = len(group) if heap else len(group) - 1
+        for t in range(1, last + 1):
+            count = len(group) - t
+            new = approximated_objective(dp, count, [*group[count:], *rest_all], heap, depth, key, units_left)
             if new.value >= best.value:  # line 11: stop once eviction no longer lowers the objective
                 break
             best, kept = new, count  # line 12
-        decision.evicted += len(scalable) - kept
-        for a, k in zip(scalable[:kept], best.arrangement.units, strict=True):  # line 13: Selected += C_j[:-t+1]
+        decision.evicted += len(group) - kept
+        for a, k in zip(group[:kept], best.arrangement.units, strict=True):  # line 13: Selected += C_j[:-t+1]
             chosen[index[id(a)]] = {**a.min_units(), key: k}
     decision.start = [(waiting[i], chosen[i]) for i in sorted(chosen)]
     return decision

@@ -1,11 +1,12 @@
 """ARL-Tangram's elastic scheduler (services/actions/elastic.py) on hand-computed examples, and its invariants under
-hypothesis: it never allocates more than is free, never outside an action's feasible units, and never leaves the
-queue head waiting when its minimum fits."""
+hypothesis: it never allocates more than is free, never outside an action's feasible units, starts actions of one key
+resource only as a prefix of the queue (FCFS: nobody passes the head), starts the head whenever its minimum fits and
+nothing runs to wake it later, and drains every queue (nobody starves)."""
 
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from services.actions.elastic import (
@@ -94,6 +95,30 @@ def test_depth_lets_the_estimate_see_that_running_one_at_a_time_is_better():
     assert started(schedule(acts, {"cpu": 4}, depth=2)) == {"a": 2, "b": 2}
 
 
+def test_the_head_waits_for_a_near_completion_rather_than_run_on_one_core():
+    # h: T = 8, linear, 1..4; one core free; something ends in 0.5 s. Start now on 1 core: ACT 8. Evict the whole
+    # group (t = |C|): h waits 0.5 s, and the estimate's best of d in {1, 2} is 0.5 + 8/2 = 4.5 < 8: it waits.
+    h = cpu("h", 8.0)
+    d = schedule([h], {"cpu": 1}, {"cpu": [0.5]}, depth=2)
+    assert started(d) == {} and d.evicted == 1
+    # depth 1: waiting only lets it start on one core later, 0.5 + 8 >= 8: it starts now
+    assert started(schedule([h], {"cpu": 1}, {"cpu": [0.5]}, depth=1)) == {"h": 1}
+    # nothing running: no completion would wake it, so the head starts whatever the estimate says
+    assert started(schedule([h], {"cpu": 1}, {}, depth=2)) == {"h": 1}
+
+
+def test_a_non_scalable_action_behind_a_scalable_one_is_evicted_with_the_suffix():
+    # s: T = 8, linear, 1..4; x: a tool call, zero elasticity, T = 1, one core; 2 cores free, one ending at 0.5.
+    #   both:     s on 1, x on 1: 8 + 1 = 9
+    #   evict x:  s on 2: 4; x from the heap [0.5, 4] at 0.5 ends 1.5: 5.5 < 9, go on
+    #   evict s:  heap [0.5]; best d = 2: s 0.5 + 4 = 4.5, x from 4.5 ends 5.5: 10 >= 5.5, stop
+    # x waits behind s (FCFS), it does not take the core s scales onto.
+    s_ = cpu("s", 8.0)
+    x = cpu("x", 1.0, hi=1, elasticity=Elasticity("zero"))
+    d = schedule([s_, x], {"cpu": 2}, {"cpu": [0.5]}, depth=2)
+    assert started(d) == {"s": 2} and d.evicted == 1
+
+
 def test_unknown_and_zero_elasticity_start_at_their_minimum():
     acts = [cpu("u", 8.0, elasticity=None), cpu("z", 8.0, elasticity=Elasticity("zero")), cpu("p", None)]
     d = schedule(acts, {"cpu": 16})
@@ -163,7 +188,7 @@ def queues(draw) -> list[Action]:
 @settings(max_examples=300, deadline=None)
 @given(queue=queues(), cores=st.integers(1, 32), mem=st.integers(0, 32), depth=st.integers(1, 3),
        running=st.lists(st.floats(0.0, 50.0), max_size=5))
-def test_never_over_allocates_and_never_starves_the_head(queue, cores, mem, depth, running):
+def test_never_over_allocates_starts_a_prefix_and_never_strands_the_head(queue, cores, mem, depth, running):
     free = {"cpu": cores, "mem": mem}
     d = schedule(queue, free, {"cpu": running}, depth=depth)
     used = total_units(d)
@@ -171,8 +196,42 @@ def test_never_over_allocates_and_never_starves_the_head(queue, cores, mem, dept
     for a, units in d.start:
         for r, u in units.items():
             assert u in a.cost[r].values(10**6), (a, units)
-    head_fits = all(u <= free.get(r, 0) for r, u in queue[0].min_units().items())
-    assert ([a.id for a, _ in d.start][:1] == [queue[0].id]) == head_fits
     ids = [a.id for a, _ in d.start]
-    positions = [int(i[1:]) for i in ids]
-    assert positions == sorted(positions)  # started in queue order, from the FCFS candidate prefix
+    assert ids == [a.id for a in queue[:len(ids)]]  # one key resource: a prefix of the queue, nobody passes
+    head_fits = all(u <= free.get(r, 0) for r, u in queue[0].min_units().items())
+    if not running:  # nothing would wake a waiting head
+        assert (ids[:1] == [queue[0].id]) == head_fits
+    elif not head_fits:
+        assert ids == []
+
+
+@settings(max_examples=150, deadline=None)
+@given(queue=queues(), cores=st.integers(1, 16), mem=st.integers(0, 16), depth=st.integers(1, 3))
+def test_repeated_rounds_drain_every_queue_in_fcfs_order(queue, cores, mem, depth):
+    """A scheduling round at every completion, as the service runs them: every action starts (nobody starves),
+    in queue order, and no round leaves the queue waiting with nothing running to wake it."""
+    capacity = {"cpu": cores, "mem": mem}
+    assume(all(all(u <= capacity[r] for r, u in a.min_units().items()) for a in queue))
+    waiting = list(queue)
+    free = dict(capacity)
+    now = 0.0
+    running: list[tuple[float, Action, dict[str, int]]] = []
+    order: list[str] = []
+    for _ in range(4 * len(queue) + 4):
+        if not waiting:
+            break
+        d = schedule(waiting, free, {"cpu": [end - now for end, _, _ in running]}, depth=depth)
+        for a, units in d.start:
+            waiting.remove(a)
+            order.append(a.id)
+            for r, u in units.items():
+                free[r] -= u
+            running.append((now + max(a.get_dur(units["cpu"]), 1e-3), a, units))
+        assert running, "the queue waits with nothing running to wake it"
+        running.sort(key=lambda x: x[0])
+        end, _, units = running.pop(0)  # the next completion
+        now = end
+        for r, u in units.items():
+            free[r] += u
+    assert not waiting, f"{len(waiting)} actions never started"
+    assert order == [a.id for a in queue]
