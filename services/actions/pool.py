@@ -195,10 +195,11 @@ ELASTIC_MAX_CORES = 32
 def formulate(kind: str, payload: dict[str, Any], budget: int, profile: DurationProfile) -> Action:
     """An action's resource formulation: an elastic kind may take 1..min(budget, 32, payload ``max_cores``) cores
     (Amdahl, the payload's ``serial`` or the kind's default), with the payload's ``t_ori`` or the kind's running
-    average; any other kind one core."""
+    average; any other kind one core, with its kind's running average as its duration (the completion heap's
+    estimate of when its core frees; None before its first run)."""
     elasticity = ELASTIC.get(kind)
     if elasticity is None:
-        return Action(kind, kind, {"cpu": Units.fixed(1)}, key="cpu", elasticity=None)
+        return profile.fill(Action(kind, kind, {"cpu": Units.fixed(1)}, key="cpu", elasticity=None))
     serial = payload.get("serial")
     if isinstance(serial, int | float) and 0 <= serial <= 1:
         elasticity = Elasticity("amdahl", serial=float(serial))
@@ -288,7 +289,7 @@ class WorkerPool:
             elastic = kind in ELASTIC
             outcome = await self._execute(kind, {**payload, "parallelism": len(cores)} if elastic else payload,
                                           timeout_s, cores)
-            if outcome.error is None and elastic:
+            if outcome.error is None:
                 self.profile.observe(action, len(cores), outcome.exec_s or outcome.seconds)
         finally:
             self._ends.pop(key, None)
