@@ -70,6 +70,22 @@ class PeersSection(Section):
     accept_timeout_s: float = Field(default=5.0, gt=0)  # a request not accepted by any instance this long is resent
 
 
+class BalanceSection(Section):
+    """FlexMARL's hierarchical load balancing of generation requests over rollouter instances (docs/balancing.md)."""
+
+    # least_loaded: the coordinator's rollout manager sends each request to the instance of its model with the
+    # lowest load, on that instance's own subject; random: to the model's queue group (NATS picks an instance)
+    dispatch: Literal["least_loaded", "random"] = "least_loaded"
+    # inter-agent balancing: move instances from the least to the most loaded model when their queue lengths
+    # (requests waiting for an answer) differ by more than delta
+    migrate: bool = True
+    delta: int = Field(default=5, ge=0)  # FlexMARL's threshold
+    poll_s: float = Field(default=1.0, gt=0)  # how often the manager compares the models' queue lengths
+    cooldown_s: float = Field(default=5.0, ge=0)  # after a migration, the next waits this long (loads settle)
+    report_interval_s: float = Field(default=0.5, gt=0)  # each rollouter's load report (its heartbeat)
+    misses: int = Field(default=4, ge=1)  # heartbeats missed in a row before an instance is removed
+
+
 class ArchConfig(Section):
     """A tiny random-initialised Llama-style causal LM."""
 
@@ -404,6 +420,7 @@ class ChorusConfig(BaseSettings):
     actions: ActionsConfig = Field(default_factory=ActionsConfig)
     paramsync: ParamSyncConfig = Field(default_factory=ParamSyncConfig)
     peers: PeersSection = Field(default_factory=PeersSection)
+    balance: BalanceSection = Field(default_factory=BalanceSection)
     metrics_interval_s: float = 2.0
 
     @classmethod

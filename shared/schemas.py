@@ -110,9 +110,10 @@ class GenResponse(Message):
 
 
 class RolloutControl(Message):
-    """pause / load / resume of one rollouter instance, sent by paramsync."""
+    """pause / load / resume of one rollouter instance, sent by paramsync; migrate, sent by the coordinator's
+    rollout manager: drain, leave this model, serve ``target`` at its current version."""
 
-    verb: Literal["pause", "load", "resume", "info"]
+    verb: Literal["pause", "load", "resume", "info", "migrate"]
     # load: the version to load; resume: the served version (an instance behind it stays out of routing)
     version: int = 0
     transport: Literal["nats", "ucx"] = "nats"
@@ -121,6 +122,7 @@ class RolloutControl(Message):
     timeout_s: float = 30.0
     # The sender's status subject: a paused instance probes it, and resumes by itself once the sender is gone.
     peer: str | None = None
+    target: str | None = Field(default=None, max_length=64)  # migrate: the model to serve next
 
 
 class RolloutControlReply(Message):
@@ -299,6 +301,19 @@ class DepthReport(Message):
     capacity: int
     trained_version: int
     dropped_stale: int = 0
+
+
+class LoadReport(Message):
+    """A rollouter instance's load (JSON on ``rollout.<model>.load``), every ``balance.report_interval_s``: its
+    heartbeat to the coordinator's rollout manager."""
+
+    model: str
+    instance: str
+    queued_rows: int = Field(ge=0)  # rows of requests waiting in its queue
+    running_rows: int = Field(ge=0)  # rows generating (or admitted and waiting for a slot)
+    tokens: int = Field(default=0, ge=0)  # KV tokens in flight
+    routing: bool = True  # False: it takes no new requests (loading weights, leaving, migrating)
+    version: int = 0
 
 
 class DropEvent(Message):

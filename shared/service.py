@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
 import signal
 import sys
 import time
@@ -68,6 +67,9 @@ class Service:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._stop = asyncio.Event()
         self.exit_code = 0
+        # set by a rollouter that the rollout manager moved: after it stopped, the process serves this
+        # (model, instance) instead (see serve_until_started)
+        self.migrate_to: tuple[str, str] | None = None
         self.nc: NATS
         self.js: JetStreamContext
         self.kv: KeyValue
@@ -363,7 +365,9 @@ def main_for(service: type[Service], argv: list[str] | None = None) -> None:
     if not url:
         print("error: no NATS URL: pass --nats nats://HOST:PORT or set nats.url in the config", file=sys.stderr)
         sys.exit(2)
-    make = functools.partial(service, cfg, nats_url=url, instance=args.instance, model=args.model)
+    def make(model: str | None = args.model, instance: str = args.instance) -> Service:
+        return service(cfg, nats_url=url, instance=instance, model=model)
+
     try:
         first = make()  # the arguments are checked here
     except ConfigError as exc:
@@ -374,13 +378,19 @@ def main_for(service: type[Service], argv: list[str] | None = None) -> None:
     sys.exit(uvloop.run(serve_until_started(first, make)))
 
 
-async def serve_until_started(svc: Service, make: Callable[[], Service]) -> int:
+async def serve_until_started(svc: Service, make: Callable[..., Service]) -> int:
     """Serve ``svc``, then a fresh instance from ``make`` again while starting fails on the broker (a cluster
     still electing leaders, a server restarting), for up to ``START_WAIT_S``; a service that started and
-    stopped is not restarted here."""
+    stopped is not restarted here — unless it stopped to migrate (``migrate_to``): then the process serves the
+    new model under the new instance name, ``make(model, instance)``."""
     deadline = time.monotonic() + START_WAIT_S
     while True:
         code = await svc.serve()
+        if svc.migrate_to is not None and code == 0:
+            model, instance = svc.migrate_to
+            svc = make(model, instance)
+            deadline = time.monotonic() + START_WAIT_S
+            continue
         if code != EX_TEMPFAIL or svc.stopping or time.monotonic() > deadline:
             return code
         await asyncio.sleep(1.0)

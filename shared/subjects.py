@@ -17,7 +17,7 @@ SERVICES = ("coordinator", "rollouter", "mq", "trainer", "paramsync", "actions")
 # builds them. Each one is fuzzed by the tests (tests/integration/test_fuzz.py), which also check on a live run
 # that no service subscribes to anything else. ``status`` ignores its payload: any request gets the metrics.
 LISTENS: dict[str, tuple[str, ...]] = {
-    "coordinator": ("depth", "sync_done", "status"),
+    "coordinator": ("depth", "sync_done", "rollout_load", "status"),
     "rollouter": ("gen", "gen_direct", "rollout_control", "status"),
     "mq": ("traj", "status"),
     "trainer": ("ready", "weights_meta", "weights_pull", "status"),
@@ -67,6 +67,10 @@ class Names:
 
     def gen_direct(self, model: str, instance: str) -> str:
         return f"{self.prefix}.rollout.{model}.{instance}.gen"
+
+    def rollout_load(self, model: str) -> str:
+        """Rollouter instances' load reports (JSON :class:`LoadReport`): the rollout manager's heartbeats."""
+        return f"{self.prefix}.rollout.{model}.load"
 
     def rollout_control(self, model: str, instance: str, verb: str) -> str:
         """pause / load / resume / info of one rollouter instance."""

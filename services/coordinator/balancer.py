@@ -7,7 +7,8 @@ which instances should move from one model to another.
 - **Intra-agent balancing**: per model, a min-heap of its live instances keyed by their current load; a request
   goes to the instance with the lowest load. The load of an instance is the rows this manager has in flight on it,
   or what the instance last reported (queued + running rows) when that is more (another requester's work); ties
-  go to fewer tokens in flight, then to the instance's name. The heap is lazy: every change of an instance's load
+  go to fewer tokens in flight, then to the instance that got a request least recently (a new one first: light
+  traffic spreads over every instance instead of always finding the same idle one), then to the name. The heap is lazy: every change of an instance's load
   pushes a fresh entry, and stale entries are skipped when they surface.
 - **Fault tolerance**: an instance that misses ``misses`` heartbeats (its load reports) in a row, or that the
   caller finds dead, is removed, and the requests in flight on it are handed back to be re-run elsewhere. A
@@ -43,6 +44,7 @@ class Instance:
     tokens: int = 0  # tokens in flight it reported last
     last_seen: float = 0.0
     draining: bool = False  # leaving (SIGTERM or a migration): no new requests
+    last_sent: int = 0  # dispatch sequence number of the last request sent to it (0: none yet)
     stamp: int = 0  # bumps with every load change; heap entries with an older stamp are stale
 
     @property
@@ -79,7 +81,7 @@ class RolloutManager:
     attempts: dict[str, list[Attempt]] = field(default_factory=dict)  # request id -> its attempts in flight
     counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
         ("dispatched", "requeued", "rerun_after_loss", "discarded", "instances_removed"), 0))
-    _heaps: dict[str, list[tuple[int, int, str, int]]] = field(default_factory=dict)
+    _heaps: dict[str, list[tuple[int, int, int, str, int]]] = field(default_factory=dict)
     _done: OrderedDict[str, None] = field(default_factory=OrderedDict)
     _seq: itertools.count[int] = field(default_factory=itertools.count)
 
@@ -101,6 +103,14 @@ class RolloutManager:
         inst = self.register(model, name, now)
         inst.reported_rows, inst.tokens, inst.draining = max(0, queued) + max(0, running), max(0, tokens), draining
         self._touch(inst)
+
+    def suspend(self, model: str, name: str) -> None:
+        """No new requests to this instance until it reports that it routes again (it answered no-responders, or
+        it is migrating)."""
+        inst = self.instances.get(model, {}).get(name)
+        if inst is not None and not inst.draining:
+            inst.draining = True
+            self._touch(inst)
 
     def remove(self, model: str, name: str) -> list[Attempt]:
         """Forget an instance (dead, gone, or moved to another model); its attempts in flight come back, to be
@@ -137,7 +147,8 @@ class RolloutManager:
     # --- intra-agent balancing --------------------------------------------------------------------------------------
     def _touch(self, inst: Instance) -> None:
         inst.stamp += 1
-        heapq.heappush(self._heaps.setdefault(inst.model, []), (inst.load, inst.tokens, inst.name, inst.stamp))
+        heapq.heappush(self._heaps.setdefault(inst.model, []),
+                       (inst.load, inst.tokens, inst.last_sent, inst.name, inst.stamp))
 
     def pick(self, model: str, exclude: Iterable[str] = ()) -> str | None:
         """The live instance of ``model`` with the lowest load (the heap's top), not one of ``exclude``; None when
@@ -148,7 +159,7 @@ class RolloutManager:
         excluded = set(exclude)
         chosen = None
         while heap:
-            load, tokens, name, stamp = heap[0]
+            _, _, _, name, stamp = heap[0]
             inst = insts.get(name)
             if inst is None or inst.stamp != stamp:
                 heapq.heappop(heap)  # stale: the instance is gone or its load changed since
@@ -170,6 +181,7 @@ class RolloutManager:
         inst = self.instances[model][name]
         inst.rows += rows
         inst.requests += 1
+        inst.last_sent = next(self._seq) + 1
         self._touch(inst)
         attempt = Attempt(request_id, model, name, rows)
         self.attempts.setdefault(request_id, []).append(attempt)

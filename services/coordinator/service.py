@@ -17,6 +17,7 @@ from nats.aio.msg import Msg
 from services.coordinator.admission import Admission, BatchGate, Pacer, expected_samples
 from services.coordinator.evaluation import evaluate
 from services.coordinator.failures import FailureLog, error_key, root_cause
+from services.coordinator.routing import NoInstance, RolloutRouter
 from services.coordinator.tasks import Task, TaskSource, heldout_tasks
 from services.coordinator.workflows import (
     Abandon,
@@ -79,6 +80,12 @@ class CoordinatorService(Service):
         # Generation and action requests are accepted by one instance, which is probed while they run: a dead
         # or frozen instance costs a probe interval or a few, then the request goes to another one.
         self.mux = await ReplyMux(self.nc, self.peers, cfg.peers).start()
+        # FlexMARL's rollout manager: each generation request to the least-loaded instance of its model
+        served = sorted({*(cfg.agents[a].model for a in wf.agents), *([cfg.agents[cfg.reward.judge].model]
+                                                                     if cfg.reward.judge else [])})
+        self.router = RolloutRouter(self, self.mux, served, self.log)
+        if cfg.balance.dispatch == "least_loaded":
+            await self.router.start()
         # The models that get samples: their backlogs and budgets pace the run (a judge's model only answers).
         self.models = sorted({cfg.agents[a].model for a in wf.agents})
         self.tokenizers = Tokenizers(cfg)
@@ -161,6 +168,7 @@ class CoordinatorService(Service):
             "batches_opened": self.gate.batches if self.gate else None,
             "pacing": self.pacer.snapshot(self.served, now) if self.pacer else None,
             "workflow_failures": self.failures.summary(),
+            "balance": {"dispatch": self.cfg.balance.dispatch, **self.router.snapshot()},
         }
 
     # --- versions and backpressure ------------------------------------------------------
@@ -420,7 +428,7 @@ class CoordinatorService(Service):
 
         for attempt in range(MAX_ATTEMPTS):
             t0 = time.monotonic()
-            raw = await self._request(self.names.gen(model), data, timeout_s, "gen")
+            raw = await self._gen_request(model, len(prompts), data, timeout_s)
             try:
                 resp = decode(GenResponse, raw)
                 if resp.error and resp.error.startswith("rejected:"):
@@ -447,6 +455,18 @@ class CoordinatorService(Service):
                               token_versions=None if o.versions is None else o.versions.tolist())
                     for o in resp.outputs]
         raise Abandon(f"generation for {model} failed after retries")
+
+    async def _gen_request(self, model: str, rows: int, data: Callable[[], bytes], timeout_s: float) -> bytes:
+        """To the least-loaded instance of the model (balance.dispatch least_loaded, when one is known), else to the
+        model's queue group."""
+        if self.cfg.balance.dispatch == "least_loaded":
+            try:
+                return await self.router.request(model, rows, data, timeout_s)
+            except NoInstance:
+                self.counters["gen_unrouted"] += 1  # none known yet (starting up): NATS picks one
+            except TimeoutError as exc:
+                raise Abandon(str(exc)) from exc
+        return await self._request(self.names.gen(model), data, timeout_s, "gen")
 
     async def _act(self, kind: str, payloads: list[dict[str, Any]]) -> list[dict[str, Any]]:
         acfg = self.cfg.actions

@@ -69,6 +69,7 @@ class Batcher:
         self._idle = asyncio.Event()
         self._idle.set()
         self.in_flight = 0  # requests handed to the worker thread and not answered yet
+        self.rows_in_flight = 0
 
     # --- state ---------------------------------------------------------------------------
     @property
@@ -149,13 +150,20 @@ class Batcher:
             if not jobs:
                 continue
             self.in_flight += len(jobs)
+            rows = sum(len(j.prompts) for j in jobs)
+            self.rows_in_flight += rows
             self._idle.clear()
             try:
                 await self._execute(jobs)
             finally:
                 self.in_flight -= len(jobs)
+                self.rows_in_flight -= rows
                 if self.in_flight == 0:
                     self._idle.set()
+
+    def occupancy(self) -> dict[str, int]:
+        """What the rollout manager balances on: rows waiting in the queue, rows generating, tokens in flight."""
+        return {"queued_rows": self._rows_queued(), "running_rows": self.rows_in_flight, "tokens": 0}
 
     def _rows_queued(self) -> int:
         return sum(len(j.prompts) for j in self._queue)
@@ -450,6 +458,13 @@ class ContinuousBatcher:
             if not rj.job.future.done():
                 rj.job.future.set_exception(exc)
         self._jobs.clear()
+
+    def occupancy(self) -> dict[str, int]:
+        """What the rollout manager balances on: rows waiting in the queue, rows in the engine (running or admitted
+        and waiting for a slot), the KV tokens they reserve."""
+        e = self.engine
+        return {"queued_rows": sum(len(j.prompts) for j in self._queue), "running_rows": len(e.running) + len(e.waiting),
+                "tokens": int(e.reserved)}
 
     def snapshot(self) -> dict[str, Any]:
         s = self.stats

@@ -29,7 +29,7 @@ from services.rollouter.batcher import Batcher, ContinuousBatcher
 from services.rollouter.continuous import ContinuousEngine, make_engine, support_problem
 from services.rollouter.engine import SamplingParams, TorchEngine, UnknownAdapter
 from shared.bus import kv_get_int
-from shared.codec import DecodeError, decode, encode
+from shared.codec import DecodeError, decode, encode, encode_json
 from shared.config import ChorusConfig
 from shared.models import Tokenizer, load_model, load_tokenizer
 from shared.peers import Liveness, accept, probe
@@ -38,6 +38,7 @@ from shared.schemas import (
     GenOutput,
     GenRequest,
     GenResponse,
+    LoadReport,
     RolloutControl,
     RolloutControlReply,
     WeightsAnnounce,
@@ -46,7 +47,17 @@ from shared.service import Service
 from shared.weights import WeightsHeader, load_into
 from shared.weightsync import TRANSPORTS, WeightSink, make_sink, resolve_transport
 
-VERBS = ("pause", "load", "resume", "info")
+VERBS = ("pause", "load", "resume", "info", "migrate")
+AWAY = "--"  # an instance serving another model than the one it started with is named <home model>--<home instance>
+
+
+def migrated_name(cfg: ChorusConfig, model: str, instance: str, target: str) -> str:
+    """The instance name a rollouter takes when it moves from ``model`` to ``target``: its home name back home,
+    else ``<home model>--<home instance>`` (unique: one process per home name)."""
+    home_model, sep, home_instance = instance.partition(AWAY)
+    if not sep or home_model not in cfg.models:
+        home_model, home_instance = model, instance
+    return home_instance if target == home_model else f"{home_model}{AWAY}{home_instance}"
 STOP_TIMEOUT_S = 20.0
 CATCH_UP_S = 1.0  # how often an instance checks that it serves the version in KV
 
@@ -153,6 +164,7 @@ class RollouterService(Service):
         self._last_control = time.monotonic()
         self.spawn(self._pause_watchdog(), "pause-watchdog")
         self.spawn(self._catch_up_loop(), "catch-up")
+        self.spawn(self._load_loop(), "load-reports")
 
         for verb in VERBS:
             await self.nc.subscribe(self.names.rollout_control(self.model, self.instance, verb),
@@ -168,6 +180,7 @@ class RollouterService(Service):
 
     async def teardown(self) -> None:
         assert self.model is not None
+        await self._report_load(routing=False)  # the rollout manager stops sending before the subscriptions go
         try:
             await self.kv.delete(self.names.rollouter_key(self.model, self.instance))
         except Exception as exc:  # the bucket may be gone with the server; stopping anyway
@@ -188,7 +201,21 @@ class RollouterService(Service):
         if not hasattr(self, "batcher"):
             return {}
         return {"version": self.engine.version, "adapters": list(self.engine.adapters), "routing": self.routing,
-                **self.batcher.snapshot()}
+                "load": self.batcher.occupancy(), **self.batcher.snapshot()}
+
+    # --- load reports (the rollout manager's heartbeats) ------------------------------------
+    async def _report_load(self, routing: bool | None = None) -> None:
+        assert self.model is not None
+        occ = self.batcher.occupancy()
+        report = LoadReport(model=self.model, instance=self.instance, queued_rows=occ["queued_rows"],
+                            running_rows=occ["running_rows"], tokens=occ["tokens"],
+                            routing=self.routing if routing is None else routing, version=self.engine.version)
+        await self.publish_quietly(self.names.rollout_load(self.model), encode_json(report))
+
+    async def _load_loop(self) -> None:
+        while not self.stopping:
+            await self._report_load()
+            await asyncio.sleep(self.cfg.balance.report_interval_s)
 
     # --- routing -------------------------------------------------------------------------
     @property
@@ -204,6 +231,7 @@ class RollouterService(Service):
             await self.nc.subscribe(self.names.gen_direct(self.model, self.instance), cb=self._on_gen),
         ]
         self.log.info("in routing", version=self.engine.version)
+        await self._report_load()
         await self.event("routing", instance=self.instance, model=self.model, routing=True,
                          version=self.engine.version)
 
@@ -217,6 +245,7 @@ class RollouterService(Service):
                 await sub.unsubscribe()
         failed = self.batcher.fail_queued(RuntimeError(f"instance {self.instance} left routing: {reason}"))
         self.counters["left_routing"] += 1
+        await self._report_load()
         self.log.warning("out of routing", reason=reason, version=self.engine.version, failed_queued=failed)
         await self.event("routing", instance=self.instance, model=self.model, routing=False,
                          version=self.engine.version, reason=reason)
@@ -332,8 +361,29 @@ class RollouterService(Service):
             await self._control_reply(msg, ok=True)
         elif verb == "load":
             await self._on_load(msg, ctl)
+        elif verb == "migrate":
+            await self._on_migrate(msg, ctl)
         else:
             await self._control_reply(msg, ok=True)
+
+    async def _on_migrate(self, msg: Msg, ctl: RolloutControl) -> None:
+        """FlexMARL's inter-agent balancing, on the instance's side: leave this model (drain what is queued and
+        running, deregister), then the process serves ``ctl.target`` at its served version (serve_until_started
+        builds the new instance, whose start loads those weights through the transport and registers)."""
+        assert self.model is not None
+        target = ctl.target
+        if target is None or target not in self.cfg.models or target == self.model:
+            self.counters["migrate_refused"] += 1
+            await self._control_reply(msg, ok=False, error=f"cannot migrate to {target!r}: expected one of the other "
+                                      f"configured models {sorted(set(self.cfg.models) - {self.model})}")
+            return
+        if self.stopping:
+            await self._control_reply(msg, ok=False, error="stopping")
+            return
+        self.migrate_to = (target, migrated_name(self.cfg, self.model, self.instance, target))
+        self.log.info("migrating to another model", target=target, instance=self.migrate_to[1])
+        await self._control_reply(msg, ok=True)
+        self.stop()
 
     async def _pause_watchdog(self) -> None:
         """Resume by itself when paused by a paramsync that is gone (its status subject has no responders, or

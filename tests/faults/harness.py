@@ -113,9 +113,11 @@ class FaultRun:
     """Runs a config to ``max_versions`` through faults; :meth:`run` returns what happened and what broke."""
 
     def __init__(self, tmp_path: Path, run_id: str, broker: Broker, config: Path, *, max_versions: int,
-                 seed: int = 0) -> None:
+                 seed: int = 0, rollouters: int = 1) -> None:
         self.tmp_path, self.run_id, self.broker, self.config = tmp_path, run_id, broker, config
         self.max_versions = max_versions
+        self.rollouters = rollouters  # instances per model; a fault on the rollouter hits instance 0
+        self.coordinator_status: dict[str, Any] = {}  # its metrics snapshot once the run finished
         self.rng = random.Random(seed)
         self.cluster = Cluster(config, broker.url, tmp_path / "logs")
         self.ledger = Ledger(run_id, MODELS, broker.url)
@@ -162,6 +164,8 @@ class FaultRun:
         else:
             key = self._key(fault)
             child = self.cluster.sup.children[key]
+            if fault.target == "rollouter":  # hit it with requests in flight: they must run again elsewhere
+                await self._until(lambda: self._busy(fault.model), 30, f"rollouter {fault.model}/0 busy")
             if fault.action == "kill":
                 self.intended.add(key)
                 child.popen.send_signal(signal.SIGKILL)
@@ -176,6 +180,10 @@ class FaultRun:
         fault.ended_at = time.time()
         # The next fault waits until every model still training committed a version past this one's.
         await self._until(lambda: self._moved(before), 180, f"training going on after {fault.name}")
+
+    async def _busy(self, model: str) -> bool:
+        s = await self.ledger.status("rollouter", model, "0")
+        return bool(s) and s.get("in_flight", 0) + s.get("queued", 0) > 0
 
     async def _moved(self, before: dict[str, int]) -> bool:
         now = await self.ledger.trained()
@@ -195,7 +203,7 @@ class FaultRun:
     async def run(self, faults: list[Fault], *, timeout_s: float = 420.0) -> Outcome:
         t0 = time.monotonic()
         await self.ledger.start()
-        self.cluster.start_all(MODELS)
+        self.cluster.start_all(MODELS, rollouters=self.rollouters)
         watcher = asyncio.create_task(self._watch_exits())
         try:
             for fault in faults:
@@ -213,8 +221,9 @@ class FaultRun:
             await self._until(lambda: self._reached_all(self.max_versions), timeout_s, "the run finishing")
             # Samples of tasks still in flight are dropped as finished; then the streams run empty.
             await self._until(self._quiet, 120, "the streams emptying after the run")
-            paused = await self.ledger.paused_instances({m: 1 for m in MODELS})
+            paused = await self.ledger.paused_instances({m: self.rollouters for m in MODELS})
             reports = await self.ledger.report()
+            self.coordinator_status = await self.ledger.status("coordinator")
             for fault in faults:
                 fault.recovered_s = self.ledger.loop_turned(fault.ended_at)
         finally:

@@ -133,6 +133,15 @@ class Ledger:
                 total += (await js.stream_info(stream)).state.messages
         return total
 
+    async def status(self, service: str, model: str | None = None, instance: str = "0") -> dict[str, Any]:
+        """A service instance's metrics snapshot from its status endpoint ({} when it does not answer)."""
+        assert self.nc is not None
+        try:
+            msg = await self.nc.request(self.names.status(service, model, instance), b"", timeout=5)
+        except (nats.errors.Error, TimeoutError):
+            return {}
+        return json.loads(msg.data)
+
     async def paused_instances(self, instances: dict[str, int]) -> list[str]:
         """Rollouter instances (``model -> count``) that say they are paused, or do not answer."""
         assert self.nc is not None

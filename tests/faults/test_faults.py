@@ -8,6 +8,7 @@ SIGSTOP of each service kind, of the nats-server, and SIGKILL of one node of a t
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -31,14 +32,16 @@ FREEZE_S = 20.0  # longer than every timeout of the fault config (requests 10 s,
 async def test_every_service_kind_and_the_broker_killed_in_one_run(tmp_path, run_id, fault_table):
     # Restarted 2 s later. The faults that stop both models come first; then each per-model kind, on whichever
     # model is behind (the other races ahead while one is down): every fault must land while its model (for a
-    # shared one: both) is still training.
+    # shared one: both) is still training. Two rollouter instances per model: the requests in flight on the
+    # killed one run again on the other (the rollout manager's re-run), and nothing is trained twice.
     faults = [Fault(kind, "kill", at, model, down_s=2.0) for kind, at, model in (
         ("coordinator", 3, MODELS[0]), ("actions", 6, MODELS[0]), ("nats", 9, MODELS[0]),
         ("paramsync", 12, LAGGING), ("rollouter", 15, LAGGING), ("trainer", 18, LAGGING), ("mq", 24, LAGGING))]
     broker = Broker.single(tmp_path / "nats")
     try:
         config = fault_config(tmp_path, run_id, max_versions=GAUNTLET_VERSIONS)
-        outcome = await FaultRun(tmp_path, run_id, broker, config, max_versions=GAUNTLET_VERSIONS).run(faults)
+        fault_run = FaultRun(tmp_path, run_id, broker, config, max_versions=GAUNTLET_VERSIONS, rollouters=2)
+        outcome = await fault_run.run(faults)
     finally:
         broker.stop()
     fault_table.append(("every kind and nats-server killed in turn in one run", outcome))
@@ -48,6 +51,12 @@ async def test_every_service_kind_and_the_broker_killed_in_one_run(tmp_path, run
     assert not outcome.unexpected_exits, describe(outcome)
     for r in outcome.reports.values():
         assert r.trained > 0 and r.published > 0
+    balance = fault_run.coordinator_status["balance"]
+    counters = fault_run.coordinator_status["counters"]
+    # the rollouter killed with requests in flight: the coordinator saw it gone and ran them on the other instance
+    assert counters.get("gen_peer_gone", 0) >= 1 and balance["counters"]["rerun_after_loss"] >= 1, \
+        json.dumps(fault_run.coordinator_status, indent=1)
+    assert all(len(insts) >= 2 for insts in balance["instances"].values()), balance  # the restarted one is back
 
 
 CASES = [*((kind, action) for kind in SERVICE_KINDS for action in ("kill", "stop")),

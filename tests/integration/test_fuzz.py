@@ -46,6 +46,7 @@ from shared.schemas import (
     Array,
     DepthReport,
     GenRequest,
+    LoadReport,
     MicroBatch,
     RolloutControl,
     Sample,
@@ -195,7 +196,8 @@ def gen_request(**update: Any) -> GenRequest:
 
 
 def control(verb: str) -> RolloutControl:
-    return RolloutControl(verb=verb, version=1)  # type: ignore[arg-type]
+    # migrate to the model it serves: refused, as any migrate would be in a run of one model
+    return RolloutControl(verb=verb, version=1, target=M if verb == "migrate" else None)  # type: ignore[arg-type]
 
 
 def bad_gen() -> list[bytes]:
@@ -219,7 +221,8 @@ def bad_control(verb: str) -> Callable[[], list[bytes]]:
         ctl = control(verb)
         other = "resume" if verb != "resume" else "pause"
         return [msgpack_with(ctl, schema=0), msgpack_with(ctl, timeout_s=INF), msgpack_with(ctl, timeout_s=NaN),
-                msgpack_with(ctl, object_name="x" * 70_000), encode(control(other)), msgpack_with(ctl, version=-1.5)]
+                msgpack_with(ctl, object_name="x" * 70_000), encode(control(other)), msgpack_with(ctl, version=-1.5),
+                msgpack_with(ctl, target="x" * 1000)]
     return make
 
 
@@ -267,6 +270,16 @@ def bad_depth() -> list[bytes]:
             json.dumps(depth_report(extra=1)).encode()]
 
 
+def load_report(**update: Any) -> dict[str, Any]:
+    return {**json.loads(encode_json(LoadReport(model=M, instance="0", queued_rows=0, running_rows=0))), **update}
+
+
+def bad_load() -> list[bytes]:
+    return [json.dumps(load_report(**u)).encode() for u in (
+        {"schema": 5}, {"queued_rows": NaN}, {"running_rows": -1}, {"tokens": INF}, {"model": "x" * 70_000},
+        {"instance": None}, {"extra": 1})]
+
+
 def bad_sync_done() -> list[bytes]:
     done = SyncDone(model=M, version=1, loaded=["0"])
     return [msgpack_with(done, schema=2), msgpack_with(done, seconds=NaN), msgpack_with(done, model="other"),
@@ -299,12 +312,15 @@ def bad_actions() -> list[bytes]:
 CASES: list[Case] = [
     Case("coordinator", "depth", lambda n: n.depth(M), lambda: json.dumps(depth_report()).encode(), bad_depth,
          json=True),
+    Case("coordinator", "rollout_load", lambda n: n.rollout_load(M), lambda: json.dumps(load_report()).encode(),
+         bad_load, json=True),
     Case("coordinator", "sync_done", lambda n: n.sync_done(M), lambda: encode(SyncDone(model=M, version=1, loaded=[])),
          bad_sync_done),
     Case("rollouter", "gen", lambda n: n.gen(M), lambda: encode(gen_request()), bad_gen),
     Case("rollouter", "gen_direct", lambda n: n.gen_direct(M, "0"), lambda: encode(gen_request()), bad_gen),
     *[Case("rollouter", "rollout_control", lambda n, v=verb: n.rollout_control(M, "0", v),
-           lambda v=verb: encode(control(v)), bad_control(verb)) for verb in ("pause", "load", "resume", "info")],
+           lambda v=verb: encode(control(v)), bad_control(verb))
+      for verb in ("pause", "load", "resume", "info", "migrate")],
     Case("mq", "traj", lambda n: n.traj(M), lambda: encode(sample()), bad_traj, stream=True),
     Case("trainer", "ready", lambda n: n.ready(M),
          lambda: encode(MicroBatch(batch_id="fz", model=M, samples=[sample()])), bad_ready, stream=True),

@@ -22,23 +22,35 @@ def test_a_request_goes_to_the_least_loaded_instance():
     m = manager(r0=5, r1=2, r2=7)
     assert m.dispatch("q1", "a", 4).instance == "r1"  # loads 5, 2, 7: r1; then r1 has 4 rows in flight (> 2)
     assert m.dispatch("q2", "a", 1).instance == "r1"  # loads 5, max(4, 2) = 4, 7
-    assert m.dispatch("q3", "a", 3).instance == "r0"  # loads 5, 5, 7: a tie on load, r0's name first
+    assert m.dispatch("q3", "a", 3).instance == "r0"  # loads 5, 5, 7: a tie on load, r0 never got a request
     assert {n: i.load for n, i in m.instances["a"].items()} == {"r0": 5, "r1": 5, "r2": 7}
 
 
-def test_ties_go_to_fewer_tokens_then_to_the_name():
+def test_ties_go_to_fewer_tokens_then_to_the_least_recently_sent_then_to_the_name():
     m = RolloutManager()
     m.report("a", "r0", 0.0, queued=1, running=1, tokens=300)
     m.report("a", "r1", 0.0, queued=0, running=2, tokens=100)
     m.report("a", "r2", 0.0, queued=2, running=0, tokens=100)
-    assert m.pick("a") == "r1"  # all load 2; r1 and r2 100 tokens; r1 by name
+    assert m.pick("a") == "r1"  # all load 2; r1 and r2 100 tokens; neither sent to yet; r1 by name
+
+
+def test_idle_instances_take_turns():
+    m = manager(r0=0, r1=0, r2=0)
+    order = []
+    for i in range(6):
+        a = m.dispatch(f"q{i}", "a", 1)
+        order.append(a.instance)
+        m.finish(a)  # answered at once: every instance is idle again at each request
+    assert order == ["r0", "r1", "r2", "r0", "r1", "r2"]
+    m.report("a", "r3", 1.0, queued=0, running=0)  # a new instance: the next idle request is its
+    assert m.dispatch("q9", "a", 1).instance == "r3"
 
 
 def test_an_answer_lowers_the_load_and_stale_heap_entries_are_skipped():
-    m = manager(r0=0, r1=0)
+    m = manager(r0=0, r1=3)
     first = m.dispatch("q1", "a", 8)
     assert first.instance == "r0"
-    assert m.pick("a") == "r1"
+    assert m.pick("a") == "r1"  # 3 < 8
     assert m.finish(first) is True
     assert m.pick("a") == "r0"  # back to 0 rows; its older heap entries (load 8) are stale
 
