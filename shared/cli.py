@@ -162,6 +162,7 @@ async def _status(cfg: ChorusConfig, url: str) -> RenderableType:
             t.caption += f" (no KV bucket {names.kv_bucket}: is the run id right? `chorus up` appends a timestamp)"
         parts: list[RenderableType] = [t]
         for extra in (agent_table(await _mq_metrics(nc, names, answers)),
+                      balance_table(await _service_metrics(nc, names, answers, "coordinator")),
                       act_table(await _service_metrics(nc, names, answers, "actions"))):
             if extra is not None:
                 parts.append(extra)
@@ -237,6 +238,47 @@ def act_table(metrics: Mapping[str, Mapping[str, Any]]) -> Table | None:
                 head = ("", "", "", "")
         if head[0]:
             t.add_row(*head, "no action yet", "", "", "", "", "", "", "")
+    return t
+
+
+def balance_table(metrics: Mapping[str, Mapping[str, Any]]) -> Table | None:
+    """The coordinator's rollout manager: per model its queue length (requests waiting for an answer), per
+    instance its load (rows) and whether it takes requests; the caption has the counters and the last migration.
+    None if no coordinator answered or it does not balance."""
+    rows = []
+    captions = []
+    for coordinator, m in sorted(metrics.items()):
+        bal = m.get("balance")
+        if not isinstance(bal, Mapping):
+            continue
+        queues = bal.get("queues") if isinstance(bal.get("queues"), Mapping) else {}
+        instances = bal.get("instances") if isinstance(bal.get("instances"), Mapping) else {}
+        for model in sorted(set(queues) | set(instances)):
+            insts = instances.get(model) if isinstance(instances.get(model), Mapping) else {}
+            head = (coordinator, model, _n(queues.get(model)))
+            for name, v in sorted(insts.items()):
+                if isinstance(v, Mapping):
+                    rows.append((*head, name, _n(v.get("load")), _n(v.get("requests")),
+                                 "draining" if v.get("draining") else "routing"))
+                    head = ("", "", "")
+            if head[0]:
+                rows.append((*head, "none", "", "", ""))
+        counters = bal.get("counters") if isinstance(bal.get("counters"), Mapping) else {}
+        text = f"coordinator {coordinator} ({bal.get('dispatch', '?')}): " + ", ".join(
+            f"{k} {v}" for k, v in sorted(counters.items()))
+        migrations = bal.get("migrations")
+        if isinstance(migrations, list) and migrations and isinstance(migrations[-1], Mapping):
+            last = migrations[-1]
+            text += f"; last migration {last.get('instance')} {last.get('from')} -> {last.get('to')}"
+        captions.append(text)
+    if not rows:
+        return None
+    t = Table(title="rollout balancing (coordinator's rollout manager)")
+    for col in ("coordinator", "model", "queue", "instance", "load rows", "requests", "state"):
+        t.add_column(col, justify="left" if col in ("coordinator", "model", "instance", "state") else "right")
+    for r in rows:
+        t.add_row(*r)
+    t.caption = "; ".join(captions)
     return t
 
 

@@ -81,9 +81,17 @@ class BalanceSection(Section):
     migrate: bool = True
     delta: int = Field(default=5, ge=0)  # FlexMARL's threshold
     poll_s: float = Field(default=1.0, gt=0)  # how often the manager compares the models' queue lengths
+    window: int = Field(default=4, ge=1)  # the queue lengths compared are the means of the last `window` polls
     cooldown_s: float = Field(default=5.0, ge=0)  # after a migration, the next waits this long (loads settle)
     report_interval_s: float = Field(default=0.5, gt=0)  # each rollouter's load report (its heartbeat)
     misses: int = Field(default=4, ge=1)  # heartbeats missed in a row before an instance is removed
+
+
+class RolloutPoolSection(Section):
+    """Rollouter instances of no model of their own (docs/balancing.md): `chorus up` starts ``pool`` of them on the
+    model the workflow's agents ask most of, and the rollout manager moves them where the load is."""
+
+    pool: int = Field(default=0, ge=0)
 
 
 class ArchConfig(Section):
@@ -421,6 +429,7 @@ class ChorusConfig(BaseSettings):
     paramsync: ParamSyncConfig = Field(default_factory=ParamSyncConfig)
     peers: PeersSection = Field(default_factory=PeersSection)
     balance: BalanceSection = Field(default_factory=BalanceSection)
+    rollouter: RolloutPoolSection = Field(default_factory=RolloutPoolSection)
     metrics_interval_s: float = 2.0
 
     @classmethod

@@ -62,15 +62,23 @@ class ChildSpec:
 
 
 def plan_services(cfg: ChorusConfig) -> list[ChildSpec]:
-    """Start order: actions; per model mq, trainer, rollouters, paramsync; the coordinator last."""
+    """Start order: actions; per model mq, trainer, rollouters, paramsync; the pool of rollouters (``rollouter.pool``,
+    named pool<i>, started on :func:`pool_model`, moved by the rollout manager); the coordinator last."""
     plan = [ChildSpec("actions")]
     for model, mcfg in cfg.models.items():
         plan.append(ChildSpec("mq", model))
         plan.append(ChildSpec("trainer", model))
         plan += [ChildSpec("rollouter", model, str(i)) for i in range(mcfg.rollouter.instances)]
         plan.append(ChildSpec("paramsync", model))
+    plan += [ChildSpec("rollouter", pool_model(cfg), f"pool{i}") for i in range(cfg.rollouter.pool)]
     plan.append(ChildSpec("coordinator"))
     return plan
+
+
+def pool_model(cfg: ChorusConfig) -> str:
+    """Where the pool starts: the model most of the workflow's agents use (the first named on ties)."""
+    counts = Counter(cfg.agents[a].model for a in cfg.workflow.agents if a in cfg.agents)
+    return max(sorted(cfg.models), key=lambda m: counts.get(m, 0))
 
 
 def _die_with_parent() -> None:

@@ -15,7 +15,7 @@ import contextlib
 import random
 import time
 import uuid
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
@@ -223,15 +223,19 @@ class RolloutRouter:
     # --- inter-agent balancing -------------------------------------------------------------------------------------
     async def _migrate_loop(self) -> None:
         bal = self.host.cfg.balance
+        polls: deque[dict[str, int]] = deque(maxlen=bal.window)
         while not self.host.stopping:
             await asyncio.sleep(bal.poll_s)
-            if time.monotonic() - self._last_migration < bal.cooldown_s:
+            polls.append({m: q for m, q in self.manager.queue_lengths().items() if m in self.models})
+            if time.monotonic() - self._last_migration < bal.cooldown_s or len(polls) < bal.window:
                 continue
-            queues = {m: q for m, q in self.manager.queue_lengths().items() if m in self.models}
+            # the mean of the last `window` polls: a burst on one model does not move instances back and forth
+            queues = {m: round(sum(p.get(m, 0) for p in polls) / len(polls)) for m in self.models}
             live = {m: self.manager.live(m) for m in self.models if self.manager.live(m)}
             loads = {m: {n: i.load for n, i in self.manager.instances.get(m, {}).items()} for m in live}
             for mig in plan_migrations(queues, live, bal.delta, loads):
                 self._last_migration = time.monotonic()
+                polls.clear()  # the next decision sees only the loads after this one
                 await self.migrate(mig, queues)
 
     async def migrate(self, mig: Migration, queues: dict[str, int]) -> None:

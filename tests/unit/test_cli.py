@@ -164,6 +164,15 @@ def test_plan_starts_services_in_dependency_order(tmp_path: Path) -> None:
     assert argv[argv.index("--model") + 1] == "a" and argv[argv.index("--instance") + 1] == "1"
 
 
+def test_a_rollouter_pool_starts_on_the_model_most_agents_use(tmp_path: Path) -> None:
+    p = tmp_path / "c.yaml"
+    p.write_text(CONFIG.format(run="r", dir=tmp_path).replace("verifier: {model: b}", "verifier: {model: b}, "
+                                                              "critic: {model: b}")
+                 + "workflow: {name: chain, agents: [solver, verifier, critic]}\nrollouter: {pool: 2}\n")
+    keys = [s.key for s in plan_services(load_config(p))]
+    assert keys[-3:] == ["rollouter-b-pool0", "rollouter-b-pool1", "coordinator-0"]  # b: two agents, a: one
+
+
 def test_resolved_run_gets_a_unique_id_and_absolute_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     p = tmp_path / "c.yaml"
@@ -388,6 +397,28 @@ def test_status_table_has_one_row_per_model_and_agent_table() -> None:
     assert "rows with that column filled" in text
     assert agent_table({}) is None
     assert "no rows held by the mq of a" in _render(agent_table({"a": {"agents": {}}}))
+
+
+def test_status_balance_table_shows_queues_instances_and_the_last_migration() -> None:
+    from shared.cli import balance_table
+
+    metrics = {"0": {"balance": {
+        "dispatch": "least_loaded", "queues": {"a": 7, "b": 1},
+        "instances": {"a": {"0": {"load": 16, "requests": 4, "draining": False},
+                            "b--1": {"load": 8, "requests": 2, "draining": False}},
+                      "b": {"0": {"load": 4, "requests": 1, "draining": True}}},
+        "counters": {"dispatched": 40, "requeued": 1},
+        "migrations": [{"from": "b", "to": "a", "instance": "1", "queues": {"a": 12, "b": 2}}]}}}
+    text = _render(balance_table(metrics))
+    assert _table_rows(text) == [
+        ["coordinator", "model", "queue", "instance", "load rows", "requests", "state"],
+        ["0", "a", "7", "0", "16", "4", "routing"],
+        ["b--1", "8", "2", "routing"],
+        ["0", "b", "1", "0", "4", "1", "draining"],
+    ]
+    flat = " ".join(text.split())  # the caption wraps at the console width
+    assert "dispatched 40" in flat and "last migration 1 b -> a" in flat
+    assert balance_table({}) is None and balance_table({"0": {"counters": {}}}) is None
 
 
 @contextlib.asynccontextmanager
