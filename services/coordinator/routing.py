@@ -68,6 +68,9 @@ class RolloutRouter:
         self.manager = RolloutManager(heartbeat_s=bal.report_interval_s, misses=bal.misses)
         self.migrations: list[dict[str, Any]] = []  # the last ones, for status
         self._last_migration = 0.0
+        # instances removed as dead or silent: their KV registration may outlive them (a frozen process keeps it),
+        # so only a load report (a sign of life) brings one back, not the registry
+        self._gone: set[tuple[str, str]] = set()
 
     async def start(self) -> None:
         for m in self.models:
@@ -86,6 +89,7 @@ class RolloutRouter:
             return
         if r.model not in self.models:
             return  # another run's model? the subject is per model: only by a misconfigured publisher
+        self._gone.discard((r.model, r.instance))
         self.manager.report(r.model, r.instance, time.monotonic(), queued=r.queued_rows, running=r.running_rows,
                             tokens=r.tokens, draining=not r.routing)
         inst = self.manager.instances[r.model][r.instance]
@@ -103,7 +107,7 @@ class RolloutRouter:
                 return  # the broker is away: the heartbeats still tell who lives
             registered = {k[len(prefix):] for k in keys if len(k) > len(prefix)}
             for name in registered:
-                if name not in self.manager.instances.get(m, {}):
+                if name not in self.manager.instances.get(m, {}) and (m, name) not in self._gone:
                     self.manager.register(m, name, now, names.status("rollouter", m, name))
                     self.host.counters["rollouters_joined"] += 1
             for name in [n for n in self.manager.instances.get(m, {}) if n not in registered]:
@@ -117,6 +121,7 @@ class RolloutRouter:
         while not self.host.stopping:
             await asyncio.sleep(self.manager.heartbeat_s)
             for model, name, lost in self.manager.expire(time.monotonic()):
+                self._gone.add((model, name))
                 self.host.counters["rollouters_expired"] += 1
                 self.log.warning("rollouter instance missed its heartbeats; removed", model=model, instance=name,
                                  requests_to_rerun=len(lost))
@@ -203,6 +208,7 @@ class RolloutRouter:
         if isinstance(exc, PeerGone):  # it died or froze with the request: its other requests go elsewhere too
             counters["gen_peer_gone"] += 1
             lost = self.manager.remove(attempt.model, attempt.instance)
+            self._gone.add((attempt.model, attempt.instance))
             self.log.warning("rollouter instance gone with requests in flight; running them elsewhere",
                              model=attempt.model, instance=attempt.instance, requests=len(lost) or 1)
             return None
