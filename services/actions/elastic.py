@@ -70,9 +70,6 @@ class Units:
         hi = cap if self.hi is None else min(self.hi, cap)
         return list(range(self.lo, hi + 1))
 
-    def elastic(self, cap: int) -> bool:
-        return len(self.values(cap)) > 1
-
     def smallest(self, count: int) -> list[int]:
         """The ``count`` smallest feasible unit counts, whatever is free now."""
         if self.choices is not None:

@@ -37,7 +37,6 @@ class Instance:
 
     model: str
     name: str
-    status: str = ""  # its status subject (liveness probes)
     rows: int = 0  # rows of requests this manager has in flight on it
     requests: int = 0  # requests this manager has in flight on it
     reported_rows: int = 0  # queued + running rows it reported last
@@ -86,15 +85,13 @@ class RolloutManager:
     _seq: itertools.count[int] = field(default_factory=itertools.count)
 
     # --- registry ---------------------------------------------------------------------------------------------------
-    def register(self, model: str, name: str, now: float, status: str = "") -> Instance:
+    def register(self, model: str, name: str, now: float) -> Instance:
         """An instance that registered (or reported) for ``model``: live from ``now``."""
         inst = self.instances.setdefault(model, {}).get(name)
         if inst is None:
-            inst = self.instances[model][name] = Instance(model, name, status, last_seen=now)
+            inst = self.instances[model][name] = Instance(model, name, last_seen=now)
             self._touch(inst)
         inst.last_seen = max(inst.last_seen, now)
-        if status:
-            inst.status = status
         return inst
 
     def report(self, model: str, name: str, now: float, *, queued: int, running: int, tokens: int = 0,

@@ -92,9 +92,6 @@ class RolloutRouter:
         self._gone.discard((r.model, r.instance))
         self.manager.report(r.model, r.instance, time.monotonic(), queued=r.queued_rows, running=r.running_rows,
                             tokens=r.tokens, draining=not r.routing)
-        inst = self.manager.instances[r.model][r.instance]
-        if not inst.status:
-            inst.status = self.host.names.status("rollouter", r.model, r.instance)
 
     async def _read_registry(self) -> None:
         names = self.host.names
@@ -108,7 +105,7 @@ class RolloutRouter:
             registered = {k[len(prefix):] for k in keys if len(k) > len(prefix)}
             for name in registered:
                 if name not in self.manager.instances.get(m, {}) and (m, name) not in self._gone:
-                    self.manager.register(m, name, now, names.status("rollouter", m, name))
+                    self.manager.register(m, name, now)
                     self.host.counters["rollouters_joined"] += 1
             for name in [n for n in self.manager.instances.get(m, {}) if n not in registered]:
                 inst = self.manager.instances[m][name]

@@ -21,22 +21,18 @@ class Cluster:
     nats_url: str
     log_dir: Path
     env: dict[str, str] = field(default_factory=dict)
-    nice: int = 0  # started under `nice -n` (a test that times one process against a busy 2-core machine)
-    cpus: list[int] | None = None  # started under `taskset -c` (same)
+    cpus: list[int] | None = None  # started under `taskset -c` (a test that times one process on a 2-core machine)
     sup: Supervisor = field(init=False)
 
     def __post_init__(self) -> None:
         self.sup = Supervisor(self.log_dir, env={**os.environ, **self.env})
 
-    def start(self, service: str, model: str | None = None, instance: str = "0", *, nice: int | None = None,
+    def start(self, service: str, model: str | None = None, instance: str = "0", *,
               cpus: list[int] | None = None) -> Child:
         key = f"{service}-{model}-{instance}" if model else f"{service}-{instance}"
         argv = [CHORUS, "serve", service, "--config", str(self.config), "--nats", self.nats_url, "--instance", instance]
         if model:
             argv += ["--model", model]
-        level = self.nice if nice is None else nice
-        if level:
-            argv = ["nice", "-n", str(level), *argv]  # nice execs the command: the pid, and signals, are its
         pinned = self.cpus if cpus is None else cpus
         if pinned:
             argv = ["taskset", "-c", ",".join(map(str, pinned)), *argv]  # it execs the command too

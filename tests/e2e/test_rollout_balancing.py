@@ -20,7 +20,7 @@ from shared.schemas import Array, GenRequest, GenResponse, RolloutControl, Rollo
 from shared.subjects import Names
 from tests.e2e.cluster import Cluster
 from tests.e2e.conftest import small_run_config
-from tests.e2e.test_services_as_processes import MODELS, wait_for_versions
+from tests.e2e.test_services_as_processes import MODELS, wait_for_bucket, wait_for_versions
 
 SOLVER, VERIFIER = MODELS
 
@@ -72,14 +72,7 @@ async def test_an_instance_joins_and_leaves_mid_run_and_one_migrates_to_the_othe
         cluster.start_all(MODELS)
         cluster.start("rollouter", SOLVER, "1")  # the solver can give one instance away
         js = nc.jetstream()
-        kv = None
-        for _ in range(200):
-            try:
-                kv = await js.key_value(names.kv_bucket)
-                break
-            except Exception:
-                await asyncio.sleep(0.1)
-        assert kv is not None, cluster.logs()
+        kv = await wait_for_bucket(js, names, cluster)
         await wait_for_versions(kv, cluster, 1, 180)
 
         # --- an extra instance of the verifier's model, started mid-run --------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from typing import Any
 
 import nats
 
@@ -16,6 +17,16 @@ from tests.e2e.cluster import Cluster
 from tests.e2e.conftest import small_run_config
 
 MODELS = ["solver_lm", "verifier_lm"]
+
+
+async def wait_for_bucket(js, names: Names, cluster: Cluster) -> Any:
+    """The run's KV bucket, once a service created it (they do on start)."""
+    for _ in range(200):
+        try:
+            return await js.key_value(names.kv_bucket)
+        except Exception:
+            await asyncio.sleep(0.1)
+    raise AssertionError(f"no KV bucket {names.kv_bucket} after 20 s\n{cluster.logs()}")
 
 
 async def wait_for_versions(kv, cluster: Cluster, target: int, timeout_s: float) -> dict[str, int]:
@@ -48,14 +59,7 @@ async def test_every_service_runs_alone_and_bad_messages_go_to_dlq(nats_url, run
             await nc.subscribe(names.dlq(svc), cb=collector(svc))
         cluster.start_all(MODELS)
         js = nc.jetstream()
-        kv = None
-        for _ in range(200):  # the services create the run's KV bucket on start
-            try:
-                kv = await js.key_value(names.kv_bucket)
-                break
-            except Exception:
-                await asyncio.sleep(0.1)
-        assert kv is not None, cluster.logs()
+        kv = await wait_for_bucket(js, names, cluster)
         await wait_for_versions(kv, cluster, 1, 180)
 
         # Malformed messages on the data plane are rejected with a reason; nothing dies.
@@ -127,14 +131,7 @@ async def test_mq_killed_mid_run_loses_no_sample(nats_url, run_id, tmp_path):
         await nc.subscribe(names.events("mq"), cb=on_event)
         cluster.start_all(MODELS)
         js = nc.jetstream()
-        kv = None
-        for _ in range(200):
-            try:
-                kv = await js.key_value(names.kv_bucket)
-                break
-            except Exception:
-                await asyncio.sleep(0.1)
-        assert kv is not None
+        kv = await wait_for_bucket(js, names, cluster)
         await wait_for_versions(kv, cluster, 2, 180)
 
         cluster.kill("mq-solver_lm-0")
