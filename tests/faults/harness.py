@@ -83,6 +83,7 @@ class Fault:
     at_version: int = 0  # injected once the target model's trained version reaches this
     model: str = MODELS[0]  # LAGGING: the model furthest behind once every model reached ``at_version``
     node: int = 0  # which broker node (target nats)
+    instance: str = "0"  # which instance of the service (a rollouter: the first found with requests in flight)
     down_s: float = 5.0  # kill: restarted this much later (< 0: never); stop: frozen this long
     ended_at: float = 0.0  # wall time the process or node was back (restarted, thawed; killed for good: the kill)
     landed_at: dict[str, int] = field(default_factory=dict)  # trained version of every model when it was injected
@@ -116,7 +117,7 @@ class FaultRun:
                  seed: int = 0, rollouters: int = 1) -> None:
         self.tmp_path, self.run_id, self.broker, self.config = tmp_path, run_id, broker, config
         self.max_versions = max_versions
-        self.rollouters = rollouters  # instances per model; a fault on the rollouter hits instance 0
+        self.rollouters = rollouters  # instances per model; a fault on the rollouter hits one with work in flight
         self.coordinator_status: dict[str, Any] = {}  # its metrics snapshot once the run finished
         self.rng = random.Random(seed)
         self.cluster = Cluster(config, broker.url, tmp_path / "logs")
@@ -127,7 +128,7 @@ class FaultRun:
 
     # --- processes ------------------------------------------------------------------------
     def _key(self, fault: Fault) -> str:
-        return f"{fault.target}-{fault.model}-0" if fault.per_model else f"{fault.target}-0"
+        return f"{fault.target}-{fault.model}-{fault.instance}" if fault.per_model else f"{fault.target}-{fault.instance}"
 
     def _start(self, key: str) -> None:
         service, *rest = key.split("-")
@@ -147,6 +148,8 @@ class FaultRun:
 
     # --- faults ---------------------------------------------------------------------------
     async def _inject(self, fault: Fault) -> None:
+        if fault.target == "rollouter":  # hit one with requests in flight: they must run again elsewhere
+            fault.instance = await self._busy_instance(fault.model)
         before = await self.ledger.trained()
         fault.landed_at = dict(before)
         self.log.append(f"{time.strftime('%H:%M:%S')} {fault.name} at {before}")
@@ -164,8 +167,6 @@ class FaultRun:
         else:
             key = self._key(fault)
             child = self.cluster.sup.children[key]
-            if fault.target == "rollouter":  # hit it with requests in flight: they must run again elsewhere
-                await self._until(lambda: self._busy(fault.model), 30, f"rollouter {fault.model}/0 busy")
             if fault.action == "kill":
                 self.intended.add(key)
                 child.popen.send_signal(signal.SIGKILL)
@@ -181,9 +182,17 @@ class FaultRun:
         # The next fault waits until every model still training committed a version past this one's.
         await self._until(lambda: self._moved(before), 180, f"training going on after {fault.name}")
 
-    async def _busy(self, model: str) -> bool:
-        s = await self.ledger.status("rollouter", model, "0")
-        return bool(s) and s.get("in_flight", 0) + s.get("queued", 0) > 0
+    async def _busy_instance(self, model: str, timeout_s: float = 30.0) -> str:
+        """The first rollouter instance of ``model`` seen with requests in flight or queued (asked every 50 ms in
+        turn: a tiny model's batches are short, and training races on while the fault waits)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for i in range(self.rollouters):
+                s = await self.ledger.status("rollouter", model, str(i))
+                if s and s.get("in_flight", 0) + s.get("queued", 0) > 0:
+                    return str(i)
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"no rollouter of {model} busy within {timeout_s:.0f}s\n" + "\n".join(self.log))
 
     async def _moved(self, before: dict[str, int]) -> bool:
         now = await self.ledger.trained()
