@@ -6,6 +6,7 @@ the path of the bad key.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 from contextvars import ContextVar
@@ -366,7 +367,8 @@ class TrainConfig(Objective):
     # micro-batches until it is complete, then runs them).
     advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"] = "grpo"
     # Every version is committed to the object store (weights and optimizer) before its micro-batches are acked;
-    # this adds a file runs/<id>/checkpoints/<model>/v<N>.pt every this many versions (0 = never).
+    # this adds a file runs/<id>/checkpoints/<model>/v<N>.pt every this many versions (0 = none on the way); the
+    # final version's file is always written (`chorus export` turns it into a Hugging Face directory).
     checkpoint_every: int = Field(default=25, ge=0)
     threads: int = Field(default=1, ge=1)
     ack_wait_s: float = 60.0
@@ -408,6 +410,45 @@ class ParamSyncConfig(Section):
     chunk_kb: int = Field(default=512, ge=16)  # object store chunk size (transport nats)
 
 
+class WandbSection(Section):
+    project: str = "chorus"
+    entity: str | None = None
+    # auto: online when WANDB_API_KEY is set and the server answers (WANDB_MODE, if set, wins), else offline
+    # files under runs/<id>/wandb for a later `wandb sync`
+    mode: Literal["auto", "online", "offline"] = "auto"
+
+
+class MlflowSection(Section):
+    # None: MLFLOW_TRACKING_URI, or a file store runs/<id>/mlruns; an http(s) server that does not answer
+    # falls back to that file store too
+    tracking_uri: str | None = None
+    experiment: str = "chorus"
+
+
+TRACKING_PACKAGES = {"wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow")}  # backend: (module, extra)
+
+
+class LoggingSection(Section):
+    # Where each metrics.jsonl record also goes (docs/results.md): TensorBoard event files under
+    # runs/<id>/tensorboard/<model>/, Weights & Biases, MLflow. [] for none.
+    backends: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(default_factory=lambda: ["tensorboard"])
+    wandb: WandbSection = Field(default_factory=WandbSection)
+    mlflow: MlflowSection = Field(default_factory=MlflowSection)
+
+    @field_validator("backends")
+    @classmethod
+    def _installed(cls, v: list[str]) -> list[str]:
+        if len(set(v)) != len(v):
+            raise ValueError(f"{v} names a backend twice")
+        for backend in v:
+            if backend in TRACKING_PACKAGES:
+                module, extra = TRACKING_PACKAGES[backend]
+                if importlib.util.find_spec(module) is None:
+                    raise ValueError(f"{backend} is listed but the package {module!r} is not installed: "
+                                     f"pip install 'chorus[{extra}]', or remove {backend} from logging.backends")
+        return v
+
+
 class ChorusConfig(BaseSettings):
     """A whole run."""
 
@@ -430,6 +471,7 @@ class ChorusConfig(BaseSettings):
     peers: PeersSection = Field(default_factory=PeersSection)
     balance: BalanceSection = Field(default_factory=BalanceSection)
     rollouter: RolloutPoolSection = Field(default_factory=RolloutPoolSection)
+    logging: LoggingSection = Field(default_factory=LoggingSection)
     metrics_interval_s: float = 2.0
 
     @classmethod

@@ -38,6 +38,7 @@ from shared.logs import append_line
 from shared.models import resolve_device
 from shared.schemas import DropEvent, MicroBatch, Sample, StepRecord, WeightsAnnounce
 from shared.service import Service
+from shared.tracking import Trackers
 from shared.validation import sample_problem
 from shared.weights import Buffer, WeightsHeader, flatten, load_into, unpack
 from shared.weightsync import NatsSource, UcxSource, WeightSource, resolve_transport
@@ -91,6 +92,7 @@ class TrainerService(Service):
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"trainer-{self.model}",
                                         initializer=_init_worker, initargs=(self.train.threads,))
         self.learner: Learner = await self._torch(Learner, self.cfg, self.model)
+        self.trackers = await asyncio.to_thread(Trackers, self.cfg, self.model)
         await self._restore()
         # A new consumer delivers at once what the last one held unacked (a dead trainer's micro-batches would
         # otherwise wait out the ack wait).
@@ -119,6 +121,8 @@ class TrainerService(Service):
         await self.release(getattr(self, "sub", None))
         await self.nc.flush(timeout=5)
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if hasattr(self, "trackers"):
+            await asyncio.to_thread(self.trackers.close)
         if hasattr(self, "source"):
             await self.source.close()
 
@@ -344,12 +348,12 @@ class TrainerService(Service):
                       reward_mean=round(record.reward_mean, 4), commit_s=round(self.commits.last_seconds, 3))
         await self._announce(ann)
         await self.commits.prune()
+        await self._track(metrics, result.version)
         every = self.train.checkpoint_every
-        if every and result.version % every == 0:
-            path = await self._torch(self.learner.save_checkpoint, self.ckpt_dir)
-            self.log.info("checkpoint", path=str(path))
         if result.version >= self.train.max_versions:
-            await self._finish()
+            await self._finish()  # writes the final checkpoint
+        elif every and result.version % every == 0:
+            await self._checkpoint()
 
     async def _skip_step(self, result: StepResult) -> None:
         """The step's gradient norm was not finite and the learner kept its weights: its samples are recorded as
@@ -376,7 +380,23 @@ class TrainerService(Service):
         assert self.model is not None
         return await self.record("step", f"step.{self.model}.{fields['version']}", **fields)
 
+    async def _checkpoint(self) -> None:
+        path = await self._torch(self.learner.save_checkpoint, self.ckpt_dir)
+        self.log.info("checkpoint", path=str(path))
+
+    async def _track(self, metrics: dict[str, Any], version: int) -> None:
+        """The metrics.jsonl record to the tracking backends (logging.backends), in a thread: they write files."""
+        before = self.trackers.errors
+        await asyncio.to_thread(self.trackers.log, metrics, version)
+        if self.trackers.errors > before:
+            self.counters["tracking_errors"] += self.trackers.errors - before
+            self.log.warning("tracking failed", error=self.trackers.last_error)
+
     async def _finish(self) -> None:
+        """The last version: its weights are kept as a checkpoint file whatever train.checkpoint_every says (before
+        the done event, so a run that has finished has its weights on disk)."""
+        if not await asyncio.to_thread((self.ckpt_dir / f"v{self.learner.version}.pt").is_file):
+            await self._checkpoint()
         self.done = True
         self.log.info("max_versions reached; later micro-batches are dropped as finished", version=self.learner.version)
         await self.event("done", model=self.model, version=self.learner.version)
