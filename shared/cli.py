@@ -376,6 +376,102 @@ def monitor(
         raise typer.Exit(1) from None
 
 
+@app.command()
+def export(
+    run_dir: Annotated[Path, typer.Argument(help="the run directory, runs/<run-id>")],
+    model: Annotated[str, typer.Option("--model", "-m", help="the model to export (models.<name>)")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="new directory for the Hugging Face files")],
+    version: Annotated[int | None, typer.Option("--version", help="checkpoint version (default: the newest)")] = None,
+    config: Annotated[Path | None, typer.Option(
+        "--config", "-c", help="the run's config (default: RUN_DIR/config.yaml, written by chorus up)")] = None,
+) -> None:
+    """Write a checkpoint in Hugging Face format: save_pretrained for a full model, the base and one PEFT adapter
+    directory per adapter for a LoRA model."""
+    from shared.export import ExportError
+    from shared.export import export as export_checkpoint
+
+    try:
+        done = export_checkpoint(run_dir, model, out, version, config)
+    except ExportError as exc:
+        err.print(f"[red]error:[/] {exc}", highlight=False)
+        raise typer.Exit(2) from None
+    console.print(f"exported {model} v{done.version} ({done.checkpoint}) to {out}", highlight=False)
+    for adapter, agents in done.adapters.items():
+        console.print(f"  adapter {adapter} (agents {', '.join(agents)}): {out / 'adapters' / adapter}",
+                      highlight=False)
+    if not done.tokenizer:
+        console.print(f"  no tokenizer files (byte tokenizer of the tiny models: see {out / 'README.md'})",
+                      highlight=False)
+
+
+async def _export_prometheus(url: str, subject: str, host: str, port: int, connect_timeout_s: float) -> None:
+    import signal
+
+    from shared.bus import connect
+    from shared.codec import DecodeError, decode_json
+    from shared.promexport import Latest, serve_http
+
+    latest = Latest()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    nc = await asyncio.wait_for(connect(url, "chorus-export-prometheus", timeout_s=connect_timeout_s), 30)
+
+    async def on_metrics(msg) -> None:  # noqa: ANN001 - nats Msg
+        try:
+            latest.update(msg.subject, decode_json(msg.data))
+        except DecodeError as exc:
+            latest.rejected += 1
+            latest.last_error = f"{msg.subject}: {exc}"
+
+    await nc.subscribe(subject, cb=on_metrics)
+    await nc.flush()
+    server = await serve_http(latest, host, port)
+    bound = server.sockets[0].getsockname()
+    console.print(f"serving {subject} from {url} on http://{bound[0]}:{bound[1]}/metrics", highlight=False)
+    try:
+        await stop.wait()
+    finally:
+        server.close()
+        await server.wait_closed()
+        await nc.drain()
+
+
+@app.command("export-prometheus")
+def export_prometheus(
+    config: Annotated[Path | None, typer.Option("--config", "-c", help="run config YAML (run id and NATS URL)")] = None,
+    nats: NatsOpt = None, run: RunOpt = None,
+    all_runs: Annotated[bool, typer.Option("--all-runs", help="every run on the server (a run label tells them "
+                                                                "apart)")] = False,
+    port: Annotated[int, typer.Option("--port", help="HTTP port (0: any free one)")] = 9477,
+    host: Annotated[str, typer.Option("--host", help="HTTP address (0.0.0.0 for other hosts)")] = "127.0.0.1",
+) -> None:
+    """Serve the latest metrics.> message of every service instance in the Prometheus text format on /metrics,
+    until Ctrl-C or SIGTERM."""
+    cfg = _load(config, run) if config is not None else None
+    url = nats or (cfg.nats.url if cfg else None)
+    if not url:
+        err.print("[red]error:[/] no NATS URL: pass --nats nats://HOST:PORT or a --config with nats.url")
+        raise typer.Exit(2)
+    run_id = run or (cfg.run.id if cfg else None)
+    if not all_runs and not run_id:
+        err.print("[red]error:[/] which run? pass --config runs/<run-id>/config.yaml, --run RUN_ID or --all-runs")
+        raise typer.Exit(2)
+    try:
+        subject = Names.metrics_every_run() if all_runs else Names(str(run_id)).metrics_all()
+    except ValueError as exc:
+        err.print(f"[red]error:[/] {exc}")
+        raise typer.Exit(2) from None
+    setup_logging(json=False, level="ERROR")
+    timeout = cfg.nats.connect_timeout_s if cfg else 5.0
+    try:
+        asyncio.run(_export_prometheus(url, subject, host, port, timeout))
+    except (OSError, TimeoutError) as exc:
+        err.print(f"[red]error:[/] cannot reach NATS at {url} or serve on {host}:{port}: {type(exc).__name__}: {exc}")
+        raise typer.Exit(1) from None
+
+
 def main() -> None:
     """Console-script entry point (``chorus``)."""
     app()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -120,6 +121,15 @@ def export(run_dir: Path, model: str, out: Path, version: int | None = None,
     version, path = pick_checkpoint(run_dir, cfg, model, version)
     if out.exists() and any(out.iterdir()):
         raise ExportError(f"{out} exists and is not empty: choose a new --out directory")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # transformers' deprecation notes are not the user's business
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        return _export(cfg, run_dir, model, out, version, path)
+
+
+def _export(cfg: ChorusConfig, run_dir: Path, model: str, out: Path, version: int, path: Path) -> Exported:
     net = load_checkpoint(cfg, model, path)
     result = Exported(out=out, model=model, version=version, checkpoint=path)
     out.mkdir(parents=True, exist_ok=True)

@@ -26,7 +26,7 @@ LISTENS: dict[str, tuple[str, ...]] = {
 }
 # Subjects no service subscribes to: what services publish for people and tools to watch, and the general
 # builders the subjects above are made with.
-WATCHED_ONLY = ("metrics", "metrics_all", "events", "events_all", "dlq", "srv_ping")
+WATCHED_ONLY = ("metrics", "metrics_all", "metrics_every_run", "events", "events_all", "dlq", "srv_ping")
 BUILDERS = ("control", "sync")
 
 
@@ -111,6 +111,11 @@ class Names:
 
     def metrics_all(self) -> str:
         return f"{self.prefix}.metrics.>"
+
+    @staticmethod
+    def metrics_every_run() -> str:
+        """The metrics of every run on the server (``chorus export-prometheus --all-runs``)."""
+        return "chorus.*.metrics.>"
 
     def events(self, service: str) -> str:
         return f"{self.prefix}.events.{service}"

@@ -3,6 +3,7 @@ few steps through `chorus up`."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -18,6 +19,13 @@ from shared.schemas import Sample
 from shared.tokenizer import ByteTokenizer
 from tests.conftest import ROOT
 from tests.e2e.conftest import chorus_up
+from tests.e2e.results import (
+    assert_exports_load_with_chorus_logits,
+    assert_served,
+    assert_tensorboard_matches_metrics,
+    parse_exposition,
+    prometheus_exporter,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -117,10 +125,43 @@ async def test_l3_every_agent_trains_a_model_of_its_own(nats_url, run_id, tmp_pa
     assert {s.agent for s in seen.trained("verifier_lm")} == {"verifier"}
 
 
-async def test_mixed_a_lora_agent_and_a_full_model_agent_train_side_by_side(nats_url, run_id, tmp_path):
-    seen = await run_config("mixed", nats_url, run_id, tmp_path)
-    assert {(s.agent, s.adapter) for s in seen.trained("base_a")} == {("solver", "sol")}
-    assert {(s.agent, s.adapter) for s in seen.trained("full_b")} == {("verifier", None)}
+async def test_mixed_a_lora_agent_and_a_full_model_agent_train_side_by_side_and_their_results_are_usable(
+        nats_url, run_id, tmp_path):
+    # The run is watched by `chorus export-prometheus` (every run on the server) and by the test itself.
+    last: dict[str, dict[str, Any]] = {}  # the last metrics message of each instance of this run
+
+    async def on_metrics(msg: Any) -> None:
+        if msg.subject.startswith(f"chorus.{run_id}-"):
+            last[msg.subject] = json.loads(msg.data)
+
+    nc = await nats.connect(nats_url)
+    await nc.subscribe("chorus.*.metrics.>", cb=on_metrics)
+    async with prometheus_exporter(nats_url) as scrape:
+        seen = await run_config("mixed", nats_url, run_id, tmp_path)
+        await nc.flush()
+        await nc.close()
+        assert {(s.agent, s.adapter) for s in seen.trained("base_a")} == {("solver", "sol")}
+        assert {(s.agent, s.adapter) for s in seen.trained("full_b")} == {("verifier", None)}
+        # Scraped over HTTP: the latest value of every numeric field of every service instance of the run.
+        assert {p["service"] for p in last.values()} >= {"coordinator", "rollouter", "mq", "trainer", "paramsync"}
+        deadline = asyncio.get_running_loop().time() + 15
+        while True:
+            try:
+                checked = assert_served(parse_exposition(await scrape()), last)
+                break
+            except AssertionError:
+                if asyncio.get_running_loop().time() > deadline:
+                    raise
+                await asyncio.sleep(0.5)
+        assert checked > 50
+    run_dir = next((tmp_path / "runs").glob(f"{run_id}-*"))
+    # The final weights are kept (checkpoint_every is 0 here) ...
+    for m in ("base_a", "full_b"):
+        assert (run_dir / "checkpoints" / m / f"v{VERSIONS}.pt").is_file()
+    # ... TensorBoard has every scalar of metrics.jsonl ...
+    assert assert_tensorboard_matches_metrics(run_dir, ["base_a", "full_b"]) >= 2 * VERSIONS * 10
+    # ... and both trained models load with transformers / peft and compute what Chorus's learner computes.
+    assert_exports_load_with_chorus_logits(run_dir, tmp_path, "base_a", "sol", "full_b")
 
 
 async def test_a_workflow_from_a_users_own_file_trains_both_of_its_agents(nats_url, run_id, tmp_path):
