@@ -129,11 +129,16 @@ def assert_tensorboard_matches_metrics(run_dir: Path, models: list[str]) -> int:
 
 
 def export(run_dir: Path, model: str, out: Path) -> str:
-    """`chorus export RUN_DIR --model M --out OUT`, as a user runs it; its output."""
-    done = subprocess.run([CHORUS, "export", str(run_dir), "--model", model, "--out", str(out)],
-                          capture_output=True, text=True, timeout=180, env={**os.environ, "COLUMNS": "400"})
-    assert done.returncode == 0, done.stdout + done.stderr
-    return done.stdout
+    """`chorus export RUN_DIR --model M --out OUT`; its output. In this process (a `chorus` process would spend
+    seconds importing torch, transformers and peft again)."""
+    from typer.testing import CliRunner
+
+    from shared.cli import app
+
+    done = CliRunner().invoke(app, ["export", str(run_dir), "--model", model, "--out", str(out)],
+                              env={"COLUMNS": "400"})
+    assert done.exit_code == 0, done.output
+    return done.output
 
 
 def assert_exports_load_with_chorus_logits(run_dir: Path, tmp_path: Path, lora_model: str, adapter: str,
