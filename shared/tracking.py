@@ -20,6 +20,7 @@ from urllib.parse import urlparse
 
 from shared.config import ChorusConfig
 
+EVAL_TRACKER = "eval"  # the coordinator's held-out evaluation records: runs/<id>/tensorboard/eval/
 WANDB_URL = "https://api.wandb.ai"
 PROBE_TIMEOUT_S = 2.0
 
@@ -47,14 +48,19 @@ class TensorBoardTracker:
     """Event files under ``runs/<id>/tensorboard/<name>/`` (one TensorBoard run per model)."""
 
     def __init__(self, directory: Path) -> None:
-        from torch.utils.tensorboard import SummaryWriter
+        # tensorboard's own writer (what torch's SummaryWriter wraps): no torch import where there is none
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
+        directory.mkdir(parents=True, exist_ok=True)
         self.directory = directory
-        self.writer = SummaryWriter(log_dir=str(directory))
+        self.writer = EventFileWriter(str(directory))
 
     def log(self, values: dict[str, float], step: int) -> None:
-        for tag, value in values.items():
-            self.writer.add_scalar(tag, value, global_step=step)
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        summary = Summary(value=[Summary.Value(tag=tag, simple_value=v) for tag, v in values.items()])
+        self.writer.add_event(Event(wall_time=time.time(), step=step, summary=summary))
         self.writer.flush()  # a killed trainer loses nothing it logged
 
     def close(self) -> None:

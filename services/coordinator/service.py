@@ -36,6 +36,7 @@ from shared.logs import append_line
 from shared.peers import NotAccepted, PeerGone, ReplyMux
 from shared.schemas import ActionRequest, ActionResult, Array, DepthReport, GenRequest, GenResponse, SyncDone
 from shared.service import EX_RUN_FAILED, Service
+from shared.tracking import EVAL_TRACKER, Trackers
 
 MAX_ATTEMPTS = 8
 PUBLISH_ACK_TIMEOUT_S = 10.0  # a sample's PubAck; then it is sent again
@@ -68,6 +69,7 @@ class CoordinatorService(Service):
     """Per run: ``workflow.concurrency`` concurrent task loops, honouring mq backpressure."""
 
     name = "coordinator"
+    _trackers: Trackers | None = None  # opened at the first evaluation
 
     def __init__(self, cfg: ChorusConfig, *, nats_url: str, instance: str = "0", model: str | None = None) -> None:
         super().__init__(cfg, nats_url=nats_url, instance=instance, model=model)
@@ -137,6 +139,8 @@ class CoordinatorService(Service):
         self._loops = [self.spawn(self._task_loop(), f"loop{k}") for k in range(self.cfg.workflow.concurrency)]
 
     async def teardown(self) -> None:
+        if self._trackers is not None:
+            await asyncio.to_thread(self._trackers.close)
         if getattr(self, "failures", None) is not None and self.failures.total:
             self.log.warning("workflow failures of this coordinator", total=self.failures.total,
                              errors=self.failures.summary())
@@ -263,7 +267,19 @@ class CoordinatorService(Service):
         self.counters["evaluations"] += 1
         self.log.info("evaluation", version=rec["version"], pass1=rec["pass1"], final=rec["final"], last=final)
         await asyncio.to_thread(append_line, self.cfg.run_dir / "metrics.jsonl", json.dumps(rec, separators=(",", ":")))
+        await self._track_eval(rec)
         await self.event("eval", **{k: v for k, v in rec.items() if k != "kind"})
+
+    async def _track_eval(self, rec: dict[str, Any]) -> None:
+        """The evaluation record to the tracking backends (logging.backends) as "eval", at step = its version; the
+        writers are opened at the first evaluation, in a thread like every write."""
+        if self._trackers is None:
+            self._trackers = await asyncio.to_thread(Trackers, self.cfg, EVAL_TRACKER)
+        before = self._trackers.errors
+        await asyncio.to_thread(self._trackers.log, rec, int(rec["version"]))
+        if self._trackers.errors > before:
+            self.counters["tracking_errors"] += self._trackers.errors - before
+            self.log.warning("tracking failed", error=self._trackers.last_error)
 
     async def _eval_loop(self, first: bool = True) -> None:
         """Evaluate at version 0 (``first``; a restarted coordinator goes on from the served version), then each

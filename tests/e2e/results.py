@@ -101,7 +101,8 @@ def assert_served(samples: dict[tuple[str, frozenset[tuple[str, str]]], float],
 
 def assert_tensorboard_matches_metrics(run_dir: Path, models: list[str]) -> int:
     """Each model's event files under tensorboard/<model>/ hold, at step = version, every numeric field of each of
-    its metrics.jsonl step records; the number of values compared."""
+    its metrics.jsonl step records (``eval``: the evaluation records, in tensorboard/eval/); the number of values
+    compared."""
     import numpy as np
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -113,8 +114,9 @@ def assert_tensorboard_matches_metrics(run_dir: Path, models: list[str]) -> int:
         acc = EventAccumulator(str(run_dir / "tensorboard" / m), size_guidance={"scalars": 0})
         acc.Reload()
         tags = set(acc.Tags()["scalars"])
-        steps = [r for r in records if r.get("model") == m and "kind" not in r]
-        assert steps, f"no step record of {m} in metrics.jsonl"
+        steps = [r for r in records if (r.get("kind") == "eval" if m == "eval" else
+                                        r.get("model") == m and "kind" not in r)]
+        assert steps, f"no {m} record in metrics.jsonl"
         expected = {}
         for r in steps:
             for tag, value in scalars(r).items():

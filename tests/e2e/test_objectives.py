@@ -11,6 +11,7 @@ import pytest
 
 from shared.plotting import summarize
 from tests.e2e.conftest import chorus_up, small_run_config
+from tests.e2e.results import assert_tensorboard_matches_metrics
 
 MODELS = ["solver_lm", "verifier_lm"]
 VERSIONS = 100
@@ -62,3 +63,5 @@ async def test_the_tiny_run_learns_with_the_objective(nats_url, run_id, tmp_path
         assert evals[-1]["final"] > evals[0]["final"], evals  # the held-out answers improve too
         for png in ("reward.png", "training.png"):
             assert (run_dir / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
+        # the evaluation records go to TensorBoard too, beside the trainers' (docs/results.md)
+        assert assert_tensorboard_matches_metrics(run_dir, ["eval"]) >= 2 * 20
