@@ -385,8 +385,7 @@ def export(
     config: Annotated[Path | None, typer.Option(
         "--config", "-c", help="the run's config (default: RUN_DIR/config.yaml, written by chorus up)")] = None,
 ) -> None:
-    """Write a checkpoint in Hugging Face format: save_pretrained for a full model, the base and one PEFT adapter
-    directory per adapter for a LoRA model."""
+    """Write a checkpoint in Hugging Face format (a LoRA model: its base and one PEFT directory per adapter)."""
     from shared.export import ExportError
     from shared.export import export as export_checkpoint
 
@@ -447,8 +446,7 @@ def export_prometheus(
     port: Annotated[int, typer.Option("--port", help="HTTP port (0: any free one)")] = 9477,
     host: Annotated[str, typer.Option("--host", help="HTTP address (0.0.0.0 for other hosts)")] = "127.0.0.1",
 ) -> None:
-    """Serve the latest metrics.> message of every service instance in the Prometheus text format on /metrics,
-    until Ctrl-C or SIGTERM."""
+    """Serve every instance's latest metrics.> message in the Prometheus text format on /metrics, until SIGTERM."""
     cfg = _load(config, run) if config is not None else None
     url = nats or (cfg.nats.url if cfg else None)
     if not url:

@@ -119,7 +119,7 @@ def export(run_dir: Path, model: str, out: Path, version: int | None = None,
     """Write checkpoint ``version`` (default: the newest) of ``model`` to ``out`` in Hugging Face format."""
     cfg = run_config(run_dir, config)
     version, path = pick_checkpoint(run_dir, cfg, model, version)
-    if out.exists() and any(out.iterdir()):
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ExportError(f"{out} exists and is not empty: choose a new --out directory")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # transformers' deprecation notes are not the user's business
@@ -160,7 +160,7 @@ def _write_notes(cfg: ChorusConfig, r: Exported) -> None:
     (r.out / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
     model_path = "base" if r.adapters else "."
     lines = [f"# {r.model} of run {cfg.run.id}, version {r.version}", "",
-             f"Exported by `chorus export` from {r.checkpoint}.", ""]
+             f"Exported by `chorus export` from {r.checkpoint}. `OUT` below is this directory.", ""]
     if r.adapters:
         lines += ["A LoRA model: the frozen base in `base/`, one PEFT adapter per directory in `adapters/`:", ""]
         lines += [f"- `adapters/{a}/`: agent(s) {', '.join(agents) or '-'}" for a, agents in r.adapters.items()]

@@ -61,6 +61,7 @@ class TrainerService(Service):
 
     name = "trainer"
     per_model = True
+    trackers: Trackers | None = None  # logging.backends, opened at the first step
 
     async def setup(self) -> None:
         assert self.model is not None
@@ -92,7 +93,6 @@ class TrainerService(Service):
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"trainer-{self.model}",
                                         initializer=_init_worker, initargs=(self.train.threads,))
         self.learner: Learner = await self._torch(Learner, self.cfg, self.model)
-        self.trackers = await asyncio.to_thread(Trackers, self.cfg, self.model)
         await self._restore()
         # A new consumer delivers at once what the last one held unacked (a dead trainer's micro-batches would
         # otherwise wait out the ack wait).
@@ -121,7 +121,7 @@ class TrainerService(Service):
         await self.release(getattr(self, "sub", None))
         await self.nc.flush(timeout=5)
         self._pool.shutdown(wait=False, cancel_futures=True)
-        if hasattr(self, "trackers"):
+        if self.trackers is not None:
             await asyncio.to_thread(self.trackers.close)
         if hasattr(self, "source"):
             await self.source.close()
@@ -386,6 +386,8 @@ class TrainerService(Service):
 
     async def _track(self, metrics: dict[str, Any], version: int) -> None:
         """The metrics.jsonl record to the tracking backends (logging.backends), in a thread: they write files."""
+        if self.trackers is None:  # opened at the first step, off the start-up path
+            self.trackers = await asyncio.to_thread(Trackers, self.cfg, self.model or "")
         before = self.trackers.errors
         await asyncio.to_thread(self.trackers.log, metrics, version)
         if self.trackers.errors > before:

@@ -161,6 +161,7 @@ def assert_exports_load_with_chorus_logits(run_dir: Path, tmp_path: Path, lora_m
     out = tmp_path / "export-lora"
     text = export(run_dir, lora_model, out)
     assert f"adapter {adapter}" in text, text
+    assert "byte tokenizer" in (out / "README.md").read_text()  # the tiny model has no HF tokenizer: said so
     ours = Learner(cfg, lora_model)
     assert ours.restore_latest(run_dir / "checkpoints" / lora_model) is not None
     assert ours.version == cfg.train.max_versions
