@@ -394,13 +394,13 @@ def export(
     except ExportError as exc:
         err.print(f"[red]error:[/] {exc}", highlight=False)
         raise typer.Exit(2) from None
-    console.print(f"exported {model} v{done.version} ({done.checkpoint}) to {out}", highlight=False)
+    console.print(f"exported {model} v{done.version} ({done.checkpoint}) to {out}", highlight=False, soft_wrap=True)
     for adapter, agents in done.adapters.items():
         console.print(f"  adapter {adapter} (agents {', '.join(agents)}): {out / 'adapters' / adapter}",
-                      highlight=False)
+                      highlight=False, soft_wrap=True)
     if not done.tokenizer:
         console.print(f"  no tokenizer files (byte tokenizer of the tiny models: see {out / 'README.md'})",
-                      highlight=False)
+                      highlight=False, soft_wrap=True)
 
 
 async def _export_prometheus(url: str, subject: str, host: str, port: int, connect_timeout_s: float) -> None:
@@ -428,7 +428,8 @@ async def _export_prometheus(url: str, subject: str, host: str, port: int, conne
     await nc.flush()
     server = await serve_http(latest, host, port)
     bound = server.sockets[0].getsockname()
-    console.print(f"serving {subject} from {url} on http://{bound[0]}:{bound[1]}/metrics", highlight=False)
+    console.print(f"serving {subject} from {url} on http://{bound[0]}:{bound[1]}/metrics", highlight=False,
+                  soft_wrap=True)
     try:
         await stop.wait()
     finally:
