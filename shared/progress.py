@@ -98,6 +98,15 @@ class ProgressView:
             m: self.progress.add_task(m, total=tracker.max_versions, reward="-") for m in tracker.models
         }
 
+    def log_line(self) -> str:
+        """The bars as one line, for a stdout that is not a terminal (a log file, a container)."""
+        parts = []
+        for m, p in sorted(self.tracker.models.items()):
+            reward = "-" if p.reward_mean is None else f"{p.reward_mean:.3f}"
+            parts.append(f"{m} {min(p.version, self.tracker.max_versions)}/{self.tracker.max_versions} "
+                         f"reward {reward}" + (" done" if p.done else ""))
+        return "progress: " + "; ".join(parts)
+
     def refresh(self) -> None:
         for m, task in self.tasks.items():
             p = self.tracker.models[m]
@@ -121,6 +130,16 @@ class MonitorState:
         if isinstance(data, dict):
             self.events.append((subject.rsplit(".", 1)[-1], data))
             del self.events[: -self.keep_events]
+
+    def line(self) -> str:
+        """A summary for a stdout that is not a terminal: instances reporting and the latest event."""
+        now = time.time()
+        fresh = sorted(k for k, m in self.metrics.items() if now - float(m.get("time", now)) < 30)
+        last = ""
+        if self.events:
+            service, ev = self.events[-1]
+            last = f"; last event {service} {ev.get('kind')}" + (f" ({ev['model']})" if ev.get("model") else "")
+        return f"monitor: {len(fresh)} service instance(s) reporting: {', '.join(fresh) or 'none'}{last}"
 
     def table(self) -> Table:
         t = Table(title="Chorus services", expand=True)

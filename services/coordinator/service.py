@@ -264,6 +264,9 @@ class CoordinatorService(Service):
         self.log.info("evaluation", version=rec["version"], pass1=rec["pass1"], final=rec["final"], last=final)
         await asyncio.to_thread(append_line, self.cfg.run_dir / "metrics.jsonl", json.dumps(rec, separators=(",", ":")))
         await self.event("eval", **{k: v for k, v in rec.items() if k != "kind"})
+        if final:  # with every trained.<model> at max_versions, the run has finished (shared/runstate.py)
+            await self.retried(lambda: self.kv.put(self.names.eval_final_key(), str(rec["version"]).encode()),
+                               "setting eval.final")
 
     async def _eval_loop(self, first: bool = True) -> None:
         """Evaluate at version 0 (``first``; a restarted coordinator goes on from the served version), then each
