@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
 from shared.schemas import MAX_NEW_TOKENS
 from shared.subjects import check_token
@@ -539,10 +539,29 @@ class ChorusConfig(BaseSettings):
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
 
+ENV_PREFIX = "CHORUS_"
+
+
+def env_variable(loc: tuple[Any, ...] | list[Any]) -> str | None:
+    """The ``CHORUS_*`` environment variable that set the key at ``loc`` (or a section holding it, as JSON), if
+    one is set: an error in it is the variable's, not the YAML file's."""
+    present = {k.upper(): k for k in os.environ if k.upper().startswith(ENV_PREFIX)}
+    parts = [str(p).upper() for p in loc]
+    for n in range(len(parts), 0, -1):
+        name = ENV_PREFIX + "__".join(parts[:n])
+        if name in present:
+            return present[name]
+    return None
+
+
 def _format_error(exc: ValidationError, source: str) -> str:
-    lines = [f"invalid config {source}:"]
-    for err in exc.errors():
+    errors = exc.errors()
+    found = [env_variable(err["loc"]) if source != "<kv>" and err["loc"] else None for err in errors]
+    lines = ["invalid config from the environment:" if all(found) else f"invalid config {source}:"]
+    for err, var in zip(errors, found, strict=True):
         path = ".".join(str(p) for p in err["loc"])
+        # the environment overrides the file: name the variable that was read
+        env = "" if var is None else f" (environment variable {var}={os.environ.get(var)!r})"
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "value_error":
             if not path:
@@ -550,7 +569,7 @@ def _format_error(exc: ValidationError, source: str) -> str:
                 continue
             key = re.match(r"^(\w+): ", msg)
             if key:  # a section's check names its key first: give its whole path
-                lines.append(f"  {path}.{key.group(1)}: {msg[key.end():]}")
+                lines.append(f"  {path}.{key.group(1)}{env}: {msg[key.end():]}")
                 continue
         path = path or "<root>"
         if err["type"] == "extra_forbidden":
@@ -559,7 +578,7 @@ def _format_error(exc: ValidationError, source: str) -> str:
             msg = "required key is missing"
         got = err.get("input")
         hint = "" if err["type"] in ("extra_forbidden", "missing") or isinstance(got, dict) else f" (got {got!r})"
-        lines.append(f"  {path}: {msg}{hint}")
+        lines.append(f"  {path}{env}: {msg}{hint}")
     return "\n".join(lines)
 
 
@@ -587,6 +606,13 @@ def load_config(path: str | os.PathLike[str] | None = None, **overrides: Any) ->
         return ChorusConfig(**data)
     except ValidationError as exc:
         raise ConfigError(_format_error(exc, source)) from None
+    except SettingsError as exc:  # a CHORUS_<SECTION> variable that is not valid JSON
+        field = re.search(r'field "(\w+)"', str(exc))
+        var = env_variable([field.group(1)]) if field else None
+        where = f"environment variable {var}={os.environ.get(var)!r}" if var else "the environment"
+        raise ConfigError(f"invalid config from {where}: {exc.__cause__ or exc} (a whole section is JSON, e.g. "
+                          f"{ENV_PREFIX}NATS='{{\"url\": \"nats://host:4222\"}}'; one key is "
+                          f"{ENV_PREFIX}NATS__URL=nats://host:4222)") from None
     except ValueError as exc:
         raise ConfigError(f"invalid config {source}: {exc}") from None
     finally:
