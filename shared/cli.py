@@ -110,6 +110,7 @@ def up(
     """Run a whole config on this machine until every model reaches train.max_versions, or resume a run."""
     import uvloop
 
+    from shared.bus import BrokerUnreachable
     from shared.supervisor import run_up
 
     if (config is None) == (resume is None):
@@ -122,6 +123,9 @@ def up(
     except ConfigError as exc:
         err.print(f"[red]error:[/] {exc}", highlight=False)
         raise typer.Exit(2) from None
+    except BrokerUnreachable as exc:  # nats.url names a server that does not answer
+        err.print(f"[red]error:[/] {exc}", highlight=False)
+        raise typer.Exit(1) from None
     raise typer.Exit(code)
 
 

@@ -64,3 +64,10 @@ def test_sigterm_while_connecting_ends_serve_within_5_s(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_status_with_the_bus_gone_says_so_and_exits_1(tmp_path: Path) -> None:
+    r = subprocess.run([CHORUS, "status", "--config", str(_config(tmp_path, 0.5)), "--nats", DEAD_URL],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1
+    assert f"cannot reach NATS at {DEAD_URL}" in " ".join(r.stderr.split()), r.stderr
