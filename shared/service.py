@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import os
 import signal
 import sys
 import time
@@ -26,11 +28,12 @@ from nats.micro import add_service
 from nats.micro.request import Request
 from pydantic import BaseModel
 
-from shared.bus import connect, ensure_run
+from shared.bus import BrokerUnreachable, connect, ensure_run
 from shared.codec import DecodeError, decode, encode_json
 from shared.config import ChorusConfig, ConfigError, load_config
 from shared.logs import setup_logging
 from shared.peers import PeerWatch
+from shared.runstate import run_finished
 from shared.subjects import Names
 
 VERSION = "0.1.0"
@@ -39,6 +42,10 @@ T = TypeVar("T")
 RECORD_BACKOFF_S = (0.1, 2.0)  # first and largest wait between attempts to write a record
 START_WAIT_S = 60.0  # how long a starting service waits for the broker and its JetStream
 EX_TEMPFAIL = 75  # the exit code of a start the broker failed (sysexits' temporary failure)
+# No server of the NATS URL answered within nats.connect_timeout_s (sysexits' EX_UNAVAILABLE): not retried in
+# the process, since a wrong URL stays wrong; a supervisor (chorus up, systemd, Kubernetes) restarts it.
+EX_UNAVAILABLE = 69
+DONE_POLL_S = 1.0  # how often a service started with --exit-when-done reads whether the run has finished
 # The run cannot go on and a restart would not help (the user's workflow keeps failing): sysexits' EX_CONFIG.
 # `chorus up` stops the run on it; systemd units do not restart on it (RestartPreventExitStatus).
 EX_RUN_FAILED = 78
@@ -49,6 +56,7 @@ class Service:
 
     name: ClassVar[str] = "service"
     per_model: ClassVar[bool] = False
+    exit_when_done = False  # set: exit 0 once the run has finished (`chorus serve --exit-when-done`)
 
     def __init__(self, cfg: ChorusConfig, *, nats_url: str, instance: str = "0", model: str | None = None) -> None:
         if self.per_model:
@@ -67,6 +75,7 @@ class Service:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._stop = asyncio.Event()
         self.exit_code = 0
+        self.start_interrupted = False  # a signal came before the start was complete
         # set by a rollouter that the rollout manager moved: after it stopped, the process serves this
         # (model, instance) instead (see serve_until_started)
         self.migrate_to: tuple[str, str] | None = None
@@ -114,6 +123,8 @@ class Service:
                 self.js = self.nc.jetstream(timeout=10.0)
                 self.kv, self.obj = await ensure_run(self.js, self.cfg)
                 return
+            except BrokerUnreachable:
+                raise  # the connect timeout is the whole budget for reaching a server
             except (nats.errors.Error, TimeoutError, OSError) as exc:
                 if time.monotonic() + wait > deadline:
                     raise
@@ -140,6 +151,8 @@ class Service:
         )
         await self.setup()
         self.spawn(self._metrics_loop(), "metrics")
+        if self.exit_when_done:
+            self.spawn(self._done_loop(), "exit-when-done")
         self.log.info("service started", nats=self.nats_url)
 
     def stop(self, code: int = 0) -> None:
@@ -166,8 +179,27 @@ class Service:
                 loop.add_signal_handler(sig, self.stop)
             except (RuntimeError, ValueError):  # served from a thread that is not the main one: stop() ends it
                 break
+        starting = asyncio.ensure_future(self.start())
+        stopped = asyncio.ensure_future(self._stop.wait())
         try:
-            await self.start()
+            # a signal while connecting or loading a model ends the start at once
+            await asyncio.wait({starting, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+        try:
+            if not starting.done():
+                starting.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await starting
+                self.start_interrupted = True
+                self.log.info("stopped while starting")
+                await self._close()
+                return self.exit_code
+            starting.result()
+        except BrokerUnreachable as exc:
+            self.log.error("service could not start: NATS is unreachable", nats=exc.url, error=str(exc))
+            await self._close()
+            return EX_UNAVAILABLE
         except (nats.errors.Error, TimeoutError, OSError) as exc:
             self.log.error("service could not start: the broker did not answer in time",
                            error=f"{type(exc).__name__}: {exc}")
@@ -339,6 +371,18 @@ class Service:
             await self.publish_quietly(subject, encode_json({**self.metrics_snapshot(), **self.periodic_metrics()}))
             await asyncio.sleep(self.cfg.metrics_interval_s)
 
+    async def _done_loop(self) -> None:
+        """--exit-when-done: stop (exit 0) once the run has finished, read from the run's KV."""
+        while not self.stopping:
+            try:
+                if await run_finished(self.kv, self.cfg):
+                    self.log.info("the run has finished; exiting (--exit-when-done)")
+                    self.stop(0)
+                    return
+            except (nats.errors.Error, TimeoutError) as exc:
+                self.log.warning("reading whether the run has finished failed", error=f"{type(exc).__name__}: {exc}")
+            await asyncio.sleep(DONE_POLL_S)
+
     async def _status_handler(self, req: Request) -> None:
         await req.respond(encode_json(self.metrics_snapshot()))
 
@@ -349,6 +393,9 @@ def parse_args(service: type[Service], argv: list[str] | None = None) -> argpars
     p.add_argument("--nats", default=None, help="NATS URL (overrides nats.url)")
     p.add_argument("--model", default=None, help="model this instance serves" + (" (required)" if service.per_model else ""))
     p.add_argument("--instance", default="0", help="instance id (default 0)")
+    p.add_argument("--exit-when-done", action="store_true",
+                   default=os.environ.get("CHORUS_EXIT_WHEN_DONE", "").lower() in ("1", "true", "yes"),
+                   help="exit 0 once every model of the run reached train.max_versions (env CHORUS_EXIT_WHEN_DONE=1)")
     return p.parse_args(argv)
 
 
@@ -366,7 +413,9 @@ def main_for(service: type[Service], argv: list[str] | None = None) -> None:
         print("error: no NATS URL: pass --nats nats://HOST:PORT or set nats.url in the config", file=sys.stderr)
         sys.exit(2)
     def make(model: str | None = args.model, instance: str = args.instance) -> Service:
-        return service(cfg, nats_url=url, instance=instance, model=model)
+        svc = service(cfg, nats_url=url, instance=instance, model=model)
+        svc.exit_when_done = args.exit_when_done
+        return svc
 
     try:
         first = make()  # the arguments are checked here
@@ -375,16 +424,25 @@ def main_for(service: type[Service], argv: list[str] | None = None) -> None:
         sys.exit(2)
     import uvloop
 
-    sys.exit(uvloop.run(serve_until_started(first, make)))
+    served: list[Service] = []
+    code = uvloop.run(serve_until_started(first, make, served))
+    if served and served[-1].start_interrupted:
+        # a signal came while the start was in a worker thread (a model loading): do not wait for it at exit
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
-async def serve_until_started(svc: Service, make: Callable[..., Service]) -> int:
+async def serve_until_started(svc: Service, make: Callable[..., Service], served: list[Service] | None = None) -> int:
     """Serve ``svc``, then a fresh instance from ``make`` again while starting fails on the broker (a cluster
     still electing leaders, a server restarting), for up to ``START_WAIT_S``; a service that started and
     stopped is not restarted here — unless it stopped to migrate (``migrate_to``): then the process serves the
     new model under the new instance name, ``make(model, instance)``."""
     deadline = time.monotonic() + START_WAIT_S
     while True:
+        if served is not None:
+            served.append(svc)
         code = await svc.serve()
         if svc.migrate_to is not None and code == 0:
             model, instance = svc.migrate_to

@@ -199,6 +199,12 @@ class Names:
         return f"rollouter.{model}."
 
     @staticmethod
+    def eval_final_key() -> str:
+        """Set by the coordinator once its evaluation of the final weights is written (eval.every > 0): with every
+        ``trained.<model>`` at train.max_versions, the run has finished."""
+        return "eval.final"
+
+    @staticmethod
     def config_key() -> str:
         return "config"
 

@@ -40,6 +40,7 @@ from shared.subjects import Names
 STOP_GRACE_S = 20.0
 DRAIN_GRACE_S = 10.0  # the coordinator finishes the episodes in hand before it stops
 READY_TIMEOUT_S = 120.0
+PROGRESS_LINE_S = 10.0  # how often `chorus up` prints a progress line when stdout is not a terminal
 _PR_SET_PDEATHSIG = 1
 
 
@@ -419,7 +420,11 @@ async def _supervise(cfg: ChorusConfig, nc: NATS, kv: KeyValue, sup: Supervisor,
     coordinator_started = False
     view = ProgressView(tracker)
     next_kv = 0.0
-    with Live(view.progress, console=console, refresh_per_second=4, transient=False):
+    # a terminal gets live bars; a log file or a container's stdout gets a line every PROGRESS_LINE_S instead
+    bars = console.is_terminal
+    next_line, last_line = 0.0, ""
+    with Live(view.progress, console=console, refresh_per_second=4, transient=False) if bars \
+            else contextlib.nullcontext():
         while True:
             now = time.monotonic()
             for c in sup.exited():
@@ -459,6 +464,11 @@ async def _supervise(cfg: ChorusConfig, nc: NATS, kv: KeyValue, sup: Supervisor,
                 for m in cfg.models:
                     tracker.on_trained_version(m, await kv_get_int(kv, Names.trained_key(m)))
             view.refresh()
+            if not bars and (time.monotonic() >= next_line or tracker.finished):
+                line = view.log_line()
+                if line != last_line or time.monotonic() >= next_line:
+                    console.print(line, highlight=False)
+                last_line, next_line = line, time.monotonic() + PROGRESS_LINE_S
             if tracker.finished:
                 console.print("[green]every model reached train.max_versions")
                 return 0

@@ -29,6 +29,7 @@ from services.coordinator.workflows import (
     run_episode,
     workflow_of,
 )
+from shared import events
 from shared.bus import kv_get_int
 from shared.codec import DecodeError, decode, decode_json_as, encode
 from shared.config import ChorusConfig
@@ -192,7 +193,7 @@ class CoordinatorService(Service):
             if self.admission.budget_spent and not self._announced_done:
                 self._announced_done = True
                 self.log.info("every model reached max_versions: no new tasks", trained=self.admission.trained)
-                await self.event("admission_stopped", trained=dict(self.admission.trained))
+                await self.event(events.ADMISSION_STOPPED, trained=dict(self.admission.trained))
             await asyncio.sleep(VERSION_POLL_S)
 
     async def _on_sync_done(self, msg: Msg) -> None:
@@ -268,7 +269,10 @@ class CoordinatorService(Service):
         self.log.info("evaluation", version=rec["version"], pass1=rec["pass1"], final=rec["final"], last=final)
         await asyncio.to_thread(append_line, self.cfg.run_dir / "metrics.jsonl", json.dumps(rec, separators=(",", ":")))
         await self._track_eval(rec)
-        await self.event("eval", **{k: v for k, v in rec.items() if k != "kind"})
+        await self.event(events.EVAL, **{k: v for k, v in rec.items() if k != "kind"})
+        if final:  # with every trained.<model> at max_versions, the run has finished (shared/runstate.py)
+            await self.retried(lambda: self.kv.put(self.names.eval_final_key(), str(rec["version"]).encode()),
+                               "setting eval.final")
 
     async def _track_eval(self, rec: dict[str, Any]) -> None:
         """The evaluation record to the tracking backends (logging.backends) as "eval", at step = its version; the
@@ -354,13 +358,13 @@ class CoordinatorService(Service):
             self.log.error("workflow failed; this error is logged once and counted from now on (metrics "
                            "workflow_failures)", task=task_id, key=key, error=error,
                            exc_info=cause if cause.__traceback__ is not None else None)
-            await self.event("workflow_error", key=key, error=error[:1000])
+            await self.event(events.WORKFLOW_ERROR, key=key, error=error[:1000])
         if self.failures.exhausted and not self.stopping:
             wf = self.cfg.workflow
             error = (f"the workflow failed {self.failures.total} times (workflow.max_failures {wf.max_failures}); "
                      f"most often: {self.failures.worst()}")
             self.log.error("stopping the run: " + error, errors=self.failures.summary())
-            await self.event("run_failed", error=error, errors=self.failures.summary())
+            await self.event(events.RUN_FAILED, error=error, errors=self.failures.summary())
             self.stop(EX_RUN_FAILED)
 
     def _record(self, ep: Episode) -> None:

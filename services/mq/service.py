@@ -26,6 +26,7 @@ from nats.aio.msg import Msg
 from nats.js.errors import APIError, NotFoundError
 
 from services.mq.experience_store import AddKind, Dropped, ExperienceStore, Policy, Take
+from shared import events
 from shared.bus import fetch, kv_get_int, pull_consumer, stream_seq
 from shared.codec import DecodeError, encode, encode_json
 from shared.models import model_limits
@@ -216,7 +217,7 @@ class MqService(Service):
         for d in drops:
             self.counters[f"dropped_{d.reason}"] += len(d.sample_ids)
             ev = DropEvent(model=self.model, sample_ids=d.sample_ids, reason=d.reason, count=len(d.sample_ids))
-            if await self.record("drop", ev.record_id, **ev.model_dump(by_alias=True),
+            if await self.record(events.DROP, ev.record_id, **ev.model_dump(by_alias=True),
                                  trained_version=self.trained_version):
                 await self._settle(d.handles, "ack")
 

@@ -28,6 +28,7 @@ from nats.aio.subscription import Subscription
 from services.rollouter.batcher import Batcher, ContinuousBatcher
 from services.rollouter.continuous import ContinuousEngine, make_engine, support_problem
 from services.rollouter.engine import SamplingParams, TorchEngine, UnknownAdapter
+from shared import events
 from shared.bus import kv_get_int
 from shared.codec import DecodeError, decode, encode, encode_json
 from shared.config import ChorusConfig
@@ -232,7 +233,7 @@ class RollouterService(Service):
         ]
         self.log.info("in routing", version=self.engine.version)
         await self._report_load()
-        await self.event("routing", instance=self.instance, model=self.model, routing=True,
+        await self.event(events.ROUTING, instance=self.instance, model=self.model, routing=True,
                          version=self.engine.version)
 
     async def _leave_routing(self, reason: str) -> None:
@@ -247,7 +248,7 @@ class RollouterService(Service):
         self.counters["left_routing"] += 1
         await self._report_load()
         self.log.warning("out of routing", reason=reason, version=self.engine.version, failed_queued=failed)
-        await self.event("routing", instance=self.instance, model=self.model, routing=False,
+        await self.event(events.ROUTING, instance=self.instance, model=self.model, routing=False,
                          version=self.engine.version, reason=reason)
 
     async def _register(self) -> None:

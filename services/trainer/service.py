@@ -32,6 +32,7 @@ from services.trainer.commits import CommitPointError, Commits, Fenced
 from services.trainer.intake import SeenIds, StepBook, filter_samples
 from services.trainer.learner import Learner, StepResult, adapter_problem
 from services.trainer.state import Committed, RecentSteps, pack_state, steps_remembered, unpack_state
+from shared import events
 from shared.bus import fetch, kv_put_int_max, pull_consumer, stream_seq
 from shared.codec import DecodeError, decode, encode
 from shared.logs import append_line
@@ -266,7 +267,7 @@ class TrainerService(Service):
         if reason == FINISHED:
             self.counters["dropped_finished"] += len(ids)
         drop = DropEvent(model=self.model, sample_ids=ids, reason=detail, count=len(ids))
-        return await self.record("drop", drop.record_id, **drop.model_dump(mode="json", exclude={"schema_"}))
+        return await self.record(events.DROP, drop.record_id, **drop.model_dump(mode="json", exclude={"schema_"}))
 
     async def _without_invalid(self, subject: str, mb: MicroBatch) -> list[Sample] | None:
         """Samples that cannot be trained go to the DLQ one by one (with the reason); the rest of the batch trains.
@@ -368,7 +369,7 @@ class TrainerService(Service):
             return  # stopping before the drop was recorded: the micro-batches come back
         await asyncio.gather(*(self._safe(m.ack) for m in self.held))
         self.held = []
-        await self.event("step_skipped", model=self.model, version=result.version, samples=len(ids),
+        await self.event(events.STEP_SKIPPED, model=self.model, version=result.version, samples=len(ids),
                          grad_norm=str(result.grad_norm))
 
     async def _set_trained(self, version: int) -> None:
@@ -378,7 +379,7 @@ class TrainerService(Service):
 
     async def _record_step(self, fields: dict[str, Any]) -> bool:
         assert self.model is not None
-        return await self.record("step", f"step.{self.model}.{fields['version']}", **fields)
+        return await self.record(events.STEP, f"step.{self.model}.{fields['version']}", **fields)
 
     async def _checkpoint(self) -> None:
         path = await self._torch(self.learner.save_checkpoint, self.ckpt_dir)
@@ -401,7 +402,7 @@ class TrainerService(Service):
             await self._checkpoint()
         self.done = True
         self.log.info("max_versions reached; later micro-batches are dropped as finished", version=self.learner.version)
-        await self.event("done", model=self.model, version=self.learner.version)
+        await self.event(events.DONE, model=self.model, version=self.learner.version)
 
     # --- weights --------------------------------------------------------------------------
     def _flatten(self, out: Buffer | None) -> tuple[WeightsHeader, Buffer]:

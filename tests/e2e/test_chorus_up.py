@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import nats
 
@@ -39,6 +40,8 @@ async def test_short_tiny_chain_run_learns_on_both_models(nats_url, run_id, tmp_
     code, text = await chorus_up(cfg, nats_url, 420)
     await nc.close()
     assert code == 0, text[-4000:]
+    # stdout is a pipe, not a terminal: progress comes as lines, ending at the target
+    assert re.search(r"^progress: .*120/120.*120/120", text, re.M), text[-4000:]
 
     run_dirs = sorted((tmp_path / "runs").glob(f"{run_id}-*"))
     assert run_dirs, text[-2000:]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
 import time
 from typing import Any
 
@@ -13,8 +14,9 @@ from shared.bus import kv_get_int
 from shared.codec import decode
 from shared.schemas import GenResponse, Sample
 from shared.subjects import Names
+from shared.supervisor import Supervisor
 from tests.e2e.cluster import Cluster
-from tests.e2e.conftest import small_run_config
+from tests.e2e.conftest import CHORUS, small_run_config
 
 MODELS = ["solver_lm", "verifier_lm"]
 
@@ -43,11 +45,16 @@ async def wait_for_versions(kv, cluster: Cluster, target: int, timeout_s: float)
 
 
 async def test_every_service_runs_alone_and_bad_messages_go_to_dlq(nats_url, run_id, tmp_path):
+    """... and once the run has finished, `chorus status` says so at once, `chorus monitor` ends with it, and a
+    service started with --exit-when-done exits 0 by itself."""
     cfg = small_run_config(tmp_path, run_id, max_versions=4, global_batch=8, micro_batch=8)
     names = Names(run_id)
     cluster = Cluster(cfg, nats_url, tmp_path / "logs")
+    watcher = Supervisor(tmp_path / "watcher-logs")  # apart: the cluster's checks take no exit of it as a death
     nc = await nats.connect(nats_url)
     try:
+        done_watch = watcher.start("actions-done", [CHORUS, "serve", "actions", "--config", str(cfg), "--nats",
+                                                    nats_url, "--instance", "done", "--exit-when-done"])
         dlq: dict[str, list] = {"mq": [], "rollouter": []}
 
         def collector(svc: str):
@@ -91,7 +98,23 @@ async def test_every_service_runs_alone_and_bad_messages_go_to_dlq(nats_url, run
         await wait_for_versions(kv, cluster, 4, 180)
         served = {m: await kv_get_int(kv, names.version_key(m)) for m in MODELS}
         assert all(v >= 1 for v in served.values()), served
+
+        code = await asyncio.to_thread(done_watch.popen.wait, 20)
+        assert code == 0, f"--exit-when-done: exit {code}\n{done_watch.tail()}"
+        t0 = time.monotonic()
+        status = await asyncio.to_thread(subprocess.run, [CHORUS, "status", "--config", str(cfg), "--nats", nats_url],
+                                         capture_output=True, text=True, timeout=60)
+        status_s = time.monotonic() - t0
+        assert status.returncode == 0, status.stderr
+        assert f"run {run_id} finished" in status.stdout, status.stdout
+        assert status_s < 15, f"chorus status took {status_s:.1f}s"
+        monitor = await asyncio.to_thread(subprocess.run, [CHORUS, "monitor", "--config", str(cfg), "--nats",
+                                                           nats_url, "--duration-s", "60"],
+                                          capture_output=True, text=True, timeout=90)
+        assert monitor.returncode == 0 and f"run {run_id} finished" in monitor.stdout, monitor.stdout + monitor.stderr
+        assert "monitor: " in monitor.stdout  # stdout is a pipe: summary lines, not a live table
     finally:
+        await watcher.stop_all()
         codes = await cluster.stop_all()
         await nc.close()
     assert all(c == 0 for c in codes.values()), f"exit codes {codes}\n{cluster.logs()}"

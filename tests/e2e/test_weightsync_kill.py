@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import nats
+import pytest
 import yaml
 
 from shared.bus import kv_get_int
@@ -61,6 +62,7 @@ async def info(nc: Any, names: Names, instance: str) -> RolloutControlReply:
     return decode(RolloutControlReply, msg.data)
 
 
+@pytest.mark.ucx
 async def test_a_rollouter_killed_mid_transfer_is_dropped_and_the_version_waits_for_the_live_ones(
         nats_url: str, run_id: str, tmp_path: Path) -> None:
     names = Names(run_id)

@@ -66,7 +66,7 @@ RUN = "fuzz"
 NaN, INF = float("nan"), float("inf")
 
 
-def write_config(tmp_path) -> ChorusConfig:
+def write_config(tmp_path, transport: str) -> ChorusConfig:
     p = tmp_path / "fuzz.yaml"
     p.write_text(f"""
 run: {{id: {RUN}, dir: {tmp_path}, seed: 1}}
@@ -79,7 +79,7 @@ task: {{max_operand: 3, ops: ["+"], modulo: 10}}
 train: {{max_versions: 100000, global_batch: 4, micro_batch: 4, checkpoint_every: 0, max_staleness: 4}}
 mq: {{report_interval_s: 0.2}}
 actions: {{cores: 1, timeout_s: 2.0}}
-paramsync: {{transport: ucx}}
+paramsync: {{transport: {transport}}}
 metrics_interval_s: 0.5
 """)
     return load_config(p)
@@ -141,24 +141,44 @@ def digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+# The trainer serves these only with paramsync.transport ucx (it needs ucxx): their cases are marked ucx and run on a
+# world of that transport (`make test-ucx`); every other case runs on a world of transport nats.
+UCX_ONLY = ("weights_meta", "weights_pull")
+
+
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
-    tmp = tmp_path_factory.mktemp("fuzz")
-    server = NatsServer(tmp / "nats", monitor_port=free_port()).start()
-    w = World(write_config(tmp), server)
-    thread = threading.Thread(target=w.loop.run_forever, daemon=True)
-    thread.start()
+def worlds(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str], World]]:
+    """A world per paramsync transport, started when a test first asks for it."""
+    made: dict[str, tuple[World, threading.Thread]] = {}
+
+    def get(transport: str) -> World:
+        if transport not in made:
+            tmp = tmp_path_factory.mktemp(f"fuzz-{transport}")
+            server = NatsServer(tmp / "nats", monitor_port=free_port()).start()
+            w = World(write_config(tmp, transport), server)
+            thread = threading.Thread(target=w.loop.run_forever, daemon=True)
+            thread.start()
+            made[transport] = w, thread
+            w.call(w.start(), timeout=180)
+        return made[transport][0]
+
     try:
-        w.call(w.start(), timeout=180)
-        yield w
-        codes = w.call(w.stop(), timeout=180)
-        assert all(c == 0 for c in codes.values()), codes
-        rejected = sum(sum(c.values()) for c in w.dlq.values())
-        assert rejected == w.sent_bad, f"{rejected - w.sent_bad} messages of the run itself went to a DLQ"
+        yield get
+        for w, _ in made.values():
+            codes = w.call(w.stop(), timeout=180)
+            assert all(c == 0 for c in codes.values()), codes
+            rejected = sum(sum(c.values()) for c in w.dlq.values())
+            assert rejected == w.sent_bad, f"{rejected - w.sent_bad} messages of the run itself went to a DLQ"
     finally:
-        w.loop.call_soon_threadsafe(w.loop.stop)
-        thread.join(10)
-        server.stop()
+        for w, thread in made.values():
+            w.loop.call_soon_threadsafe(w.loop.stop)
+            thread.join(10)
+            w.server.stop()
+
+
+@pytest.fixture
+def world(worlds: Callable[[str], World], request: pytest.FixtureRequest) -> World:
+    return worlds("ucx" if request.node.get_closest_marker("ucx") else "nats")
 
 
 # --- what each subject takes -------------------------------------------------------------------------------------
@@ -334,6 +354,8 @@ CASES: list[Case] = [
         action_id="fz", kind="echo", payloads=[{}])), bad_actions),
 ]
 CASE_IDS = [f"{c.service}:{c.subject(Names(RUN)).removeprefix(f'chorus.{RUN}.')}" for c in CASES]
+CASE_PARAMS = [pytest.param(c, id=i, marks=[pytest.mark.ucx] if c.method in UCX_ONLY else []) for c, i in
+               zip(CASES, CASE_IDS, strict=True)]
 
 
 # --- sending and checking -----------------------------------------------------------------------------------------
@@ -374,7 +396,7 @@ def alive(w: World) -> None:
 FUZZ = settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
-@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("case", CASE_PARAMS)
 @FUZZ
 @given(garbage=st.binary(min_size=0, max_size=2048), cut=st.floats(0.0, 1.0, exclude_max=True))
 def test_garbage_and_truncated_messages_go_to_the_dlq(world: World, case: Case, garbage: bytes, cut: float) -> None:
@@ -384,7 +406,7 @@ def test_garbage_and_truncated_messages_go_to_the_dlq(world: World, case: Case, 
     alive(world)
 
 
-@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("case", CASE_PARAMS)
 def test_wrong_schema_oversized_non_finite_and_out_of_range_messages_go_to_the_dlq(world: World, case: Case) -> None:
     bad = case.bad()
     assert len(bad) >= 3
@@ -394,7 +416,10 @@ def test_wrong_schema_oversized_non_finite_and_out_of_range_messages_go_to_the_d
     alive(world)
 
 
-def test_every_subscribed_subject_of_every_service_has_a_fuzz_case(world: World) -> None:
+@pytest.mark.parametrize("transport", ["nats", pytest.param("ucx", marks=pytest.mark.ucx)])
+def test_every_subscribed_subject_of_every_service_has_a_fuzz_case(worlds: Callable[[str], World],
+                                                                   transport: str) -> None:
+    world = worlds(transport)
     names = Names(RUN)
     fuzzed = {(c.service, c.method) for c in CASES} | {(s, "status") for s in LISTENS}
     # Every subject of shared/subjects.py is either listened to by a service (then it needs a case) or declared
@@ -441,7 +466,8 @@ def test_every_subscribed_subject_of_every_service_has_a_fuzz_case(world: World)
                 assert subject in known, f"consumer {info.name} of {stream} reads {subject}, which has no fuzz case"
                 seen.add(known[subject])
     # Every listed subject was found live (a stale LISTENS entry would be fuzzing nothing).
-    assert seen >= {(c.service, c.method) for c in CASES}, {(c.service, c.method) for c in CASES} - seen
+    live = {(c.service, c.method) for c in CASES if transport == "ucx" or c.method not in UCX_ONLY}
+    assert seen >= live, live - seen
 
 
 def test_status_answers_any_payload_and_the_weights_stay_finite(world: World) -> None:

@@ -131,7 +131,7 @@ async def generate(nc: Any, names: Names, model: str, rid: str = "g") -> GenResp
     return resp
 
 
-@pytest.mark.parametrize("transport", ["ucx", "nats"])
+@pytest.mark.parametrize("transport", [pytest.param("ucx", marks=pytest.mark.ucx), "nats"])
 async def test_both_transports_deliver_bit_identical_weights_that_the_next_generation_uses(
         nats_url: str, run_id: str, tmp_path: Path, transport: str) -> None:
     cfg = write_config(tmp_path, run_id, transport)
@@ -172,6 +172,7 @@ async def test_both_transports_deliver_bit_identical_weights_that_the_next_gener
         await nc.close()
 
 
+@pytest.mark.ucx
 async def test_a_model_keeps_serving_while_another_syncs_and_no_answer_mixes_two_versions(
         nats_url: str, run_id: str, tmp_path: Path) -> None:
     """Model b syncs ten versions while both models answer a steady stream of greedy requests.
@@ -249,6 +250,7 @@ async def test_a_model_keeps_serving_while_another_syncs_and_no_answer_mixes_two
         await nc.close()
 
 
+@pytest.mark.ucx
 async def test_an_instance_that_cannot_load_is_retried_reported_and_kept_out_of_routing_until_it_catches_up(
         nats_url: str, run_id: str, tmp_path: Path) -> None:
     """Instance 1 receives a corrupted bucket on every try: the real checks refuse it and nothing is written;
