@@ -79,9 +79,9 @@ def _run_id_from_file(run_file: Path) -> None:
     """Wait for the run file of a deployment and make its run id the one every config load sees."""
     from shared.deploy import Interrupted, wait_run_file
 
-    err.print(f"waiting for the run id in {run_file}", highlight=False)
     try:
-        run_id = wait_run_file(run_file)
+        run_id = wait_run_file(run_file, on_wait=lambda: err.print(f"waiting for the run id in {run_file}",
+                                                                   highlight=False))
     except Interrupted:
         raise typer.Exit(0) from None  # stopped before the run began: nothing to drain
     except ValueError as exc:

@@ -13,6 +13,7 @@ import os
 import secrets
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -50,9 +51,10 @@ class Interrupted(Exception):
     """SIGTERM or SIGINT arrived while waiting."""
 
 
-def wait_run_file(path: Path, timeout_s: float | None = None) -> str:
+def wait_run_file(path: Path, timeout_s: float | None = None, on_wait: Callable[[], None] | None = None) -> str:
     """Block until ``path`` holds a run id. SIGTERM/SIGINT end the wait with :class:`Interrupted` (a container's
-    PID 1 gets no default signal handling, so the handlers are explicit); TimeoutError after ``timeout_s``."""
+    PID 1 gets no default signal handling, so the handlers are explicit); TimeoutError after ``timeout_s``.
+    ``on_wait`` is called once the signals are handled, before the first look at the file."""
     stop = False
 
     def on_signal(signum: int, frame: Any) -> None:  # noqa: ARG001 - signal handler signature
@@ -61,6 +63,8 @@ def wait_run_file(path: Path, timeout_s: float | None = None) -> str:
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
+        if on_wait is not None:
+            on_wait()
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             if stop:
