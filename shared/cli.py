@@ -83,11 +83,15 @@ def serve(
     exit_when_done: Annotated[bool, typer.Option(
         "--exit-when-done", envvar="CHORUS_EXIT_WHEN_DONE",
         help="exit 0 once every model of the run reached train.max_versions (containers, Jobs)")] = False,
+    run_file: Annotated[Path | None, typer.Option(
+        "--run-file", help="wait for this file (written by `chorus new-run`) and serve the run id in it")] = None,
 ) -> None:
     """Run one service in this process (bare metal, containers, systemd)."""
     if service not in SERVICES:
         err.print(f"[red]error:[/] unknown service {service!r}: choose one of {', '.join(SERVICES)}")
         raise typer.Exit(2)
+    if run_file is not None:
+        _run_id_from_file(run_file)
     argv = [sys.executable, "-m", f"services.{service}", "--config", str(config), "--instance", instance]
     if nats:
         argv += ["--nats", nats]
@@ -98,6 +102,75 @@ def serve(
     sys.stdout.flush()
     sys.stderr.flush()
     os.execv(sys.executable, argv)  # one process: signals from systemd/docker reach the service itself
+
+
+def _run_id_from_file(run_file: Path) -> None:
+    """Wait for the run file of a deployment and make its run id the one every config load sees."""
+    from shared.deploy import Interrupted, wait_run_file
+
+    try:
+        run_id = wait_run_file(run_file, on_wait=lambda: err.print(f"waiting for the run id in {run_file}",
+                                                                   highlight=False))
+    except Interrupted:
+        raise typer.Exit(0) from None  # stopped before the run began: nothing to drain
+    except ValueError as exc:
+        err.print(f"[red]error:[/] {exc}", highlight=False)
+        raise typer.Exit(2) from None
+    os.environ["CHORUS_RUN__ID"] = run_id  # the exec'd service loads its config with it
+
+
+@app.command("new-run")
+def new_run(
+    config: ConfigOpt,
+    out: Annotated[Path | None, typer.Option("--out", help="write the run id to this file (atomically)")] = None,
+) -> None:
+    """Make a fresh run id, <run.id>-YYYYmmdd-HHMMSS-<4 hex>, print it and write it to --out: one per deployment
+    (`docker compose up`), read by `chorus serve --run-file`."""
+    from shared.deploy import new_run_id, write_run_file
+
+    run_id = new_run_id(_load(config).run.id)
+    if out is not None:
+        write_run_file(out, run_id)
+    console.print(run_id, highlight=False)
+
+
+@app.command()
+def health(
+    service: Annotated[str, typer.Argument(help=f"one of {', '.join(SERVICES)}")],
+    config: ConfigOpt,
+    nats: NatsOpt = None,
+    model: Annotated[str | None, typer.Option("--model", help="model (per-model services)")] = None,
+    instance: Annotated[str, typer.Option("--instance", help="instance id")] = "0",
+    run: RunOpt = None,
+    run_file: Annotated[Path | None, typer.Option("--run-file", help="read the run id from this file")] = None,
+    timeout: Annotated[float, typer.Option("--timeout", help="seconds to wait for the answer")] = 3.0,
+) -> None:
+    """Exit 0 if this service instance answers its NATS micro-service ping, else 1 with the reason (a probe for
+    containers, Kubernetes and scripts). Without --run/--run-file any run made from the config's run.id counts."""
+    import asyncio as _asyncio
+
+    from shared.deploy import probe, read_run_file
+
+    if service not in SERVICES:
+        err.print(f"unhealthy: unknown service {service!r}: choose one of {', '.join(SERVICES)}", highlight=False)
+        raise typer.Exit(2)
+    cfg = _load(config, run)
+    if run_file is not None and run is None:
+        try:
+            run = read_run_file(run_file)
+        except (ValueError, OSError) as exc:
+            err.print(f"unhealthy: {exc}", highlight=False)
+            raise typer.Exit(1) from None
+        if run is None:
+            err.print(f"unhealthy: no run id in {run_file} yet", highlight=False)
+            raise typer.Exit(1)
+    url = _url(cfg, nats)
+    setup_logging(json=False, level="CRITICAL")  # the one line below is the output, not reconnect chatter
+    ok, reason = _asyncio.run(probe(url, service, model=model, instance=instance, run=run,
+                                    base=cfg.run.id, timeout_s=timeout,
+                                    connect_timeout_s=min(timeout, cfg.nats.connect_timeout_s)))
+    (console if ok else err).print(("healthy: " if ok else "unhealthy: ") + reason, highlight=False, soft_wrap=True)
+    raise typer.Exit(0 if ok else 1)
 
 
 @app.command()
