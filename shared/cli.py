@@ -77,19 +77,33 @@ def up(
     timeout_s: Annotated[float | None, typer.Option("--timeout-s", help="fail if not finished in time")] = None,
     resume: Annotated[Path | None, typer.Option(
         "--resume", help="continue the run in this directory (runs/<run-id>) after it was stopped or killed")] = None,
+    run: Annotated[str | None, typer.Option(
+        "--run", help="run id as given (default: run.id of the config with -YYYYmmdd-HHMMSS appended); an id that "
+        "already exists on the NATS server is refused: continue it with --resume, or `chorus clean` it")] = None,
 ) -> None:
     """Run a whole config on this machine until every model reaches train.max_versions, or resume a run."""
     import uvloop
 
     from shared.supervisor import run_up
 
+    if run is not None and resume is not None:
+        err.print("[red]error:[/] --run names a new run; --resume continues the run of its directory: give one")
+        raise typer.Exit(2)
+    if run is not None:
+        from shared.subjects import check_token
+
+        try:
+            check_token(run, "--run")
+        except ValueError as exc:
+            err.print(f"[red]error:[/] {exc}")
+            raise typer.Exit(2) from None
     if (config is None) == (resume is None):
         err.print("[red]error:[/] give either a config (chorus up CONFIG) or a run directory to continue "
                   "(chorus up --resume runs/<run-id>)")
         raise typer.Exit(2)
     setup_logging(json=False, level="ERROR")  # the progress view is the output; client reconnect chatter is not
     try:
-        code = uvloop.run(run_up(config, timeout_s=timeout_s, console=console, resume=resume))
+        code = uvloop.run(run_up(config, timeout_s=timeout_s, console=console, resume=resume, run_id=run))
     except ConfigError as exc:
         err.print(f"[red]error:[/] {exc}", highlight=False)
         raise typer.Exit(2) from None
@@ -133,7 +147,7 @@ async def _status(cfg: ChorusConfig, url: str) -> RenderableType:
     from shared.supervisor import ping_run
 
     names = Names(cfg.run.id)
-    nc = await connect(url, "chorus-status", timeout_s=cfg.nats.connect_timeout_s)
+    nc = await connect(url, "chorus-status", timeout_s=cfg.nats.connect_timeout_s, nats_cfg=cfg.nats, kind="observer")
     try:
         js = nc.jetstream(timeout=5.0)
         t = Table(title=f"run {cfg.run.id} at {url}")
@@ -336,7 +350,8 @@ async def _monitor(cfg: ChorusConfig, url: str, duration_s: float | None) -> Non
 
     names = Names(cfg.run.id)
     state = MonitorState()
-    nc = await asyncio.wait_for(connect(url, "chorus-monitor", timeout_s=cfg.nats.connect_timeout_s), 30)
+    nc = await asyncio.wait_for(connect(url, "chorus-monitor", timeout_s=cfg.nats.connect_timeout_s,
+                                        nats_cfg=cfg.nats, kind="observer"), 30)
 
     async def on_metrics(msg) -> None:  # noqa: ANN001 - nats Msg
         with contextlib.suppress(DecodeError):
@@ -374,6 +389,65 @@ def monitor(
     except (OSError, TimeoutError) as exc:
         err.print(f"[red]error:[/] cannot reach NATS at {url}: {type(exc).__name__}: {exc}")
         raise typer.Exit(1) from None
+
+
+async def _clean(cfg: ChorusConfig, url: str, run: str) -> list[str]:
+    from shared.bus import connect
+    from shared.runbus import clean_run
+
+    nc = await connect(url, "chorus-clean", timeout_s=cfg.nats.connect_timeout_s, nats_cfg=cfg.nats, kind="admin")
+    try:
+        return await clean_run(nc.jetstream(timeout=10.0), run)
+    finally:
+        await nc.close()
+
+
+@app.command()
+def clean(
+    run: Annotated[str, typer.Argument(help="the run id whose streams and buckets to delete")],
+    config: ConfigOpt, nats: NatsOpt = None,
+) -> None:
+    """Delete a run's streams, KV bucket and object store from the NATS server (its run directory stays)."""
+    from nats.errors import Error as NatsError
+
+    from shared.runbus import describe_stream
+    from shared.subjects import check_token
+
+    try:
+        check_token(run, "run id")
+    except ValueError as exc:
+        err.print(f"[red]error:[/] {exc}")
+        raise typer.Exit(2) from None
+    cfg = _load(config)
+    url = _url(cfg, nats)
+    setup_logging(json=False, level="ERROR")
+    try:
+        removed = asyncio.run(asyncio.wait_for(_clean(cfg, url, run), 60))
+    except (OSError, TimeoutError, NatsError) as exc:
+        err.print(f"[red]error:[/] cannot reach NATS at {url}: {type(exc).__name__}: {exc}")
+        raise typer.Exit(1) from None
+    if not removed:
+        err.print(f"[red]error:[/] run {run} has no stream or bucket on the NATS server at {url}")
+        raise typer.Exit(1)
+    for stream in removed:
+        console.print(f"removed {describe_stream(stream, run)}")
+    console.print(f"run {run}: removed {len(removed)} stream(s) and bucket(s) from {url}")
+
+
+@app.command("nats-auth")
+def nats_auth(
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="write here (default: print)")] = None,
+) -> None:
+    """The nats-server authorization config giving every Chorus client kind least-privilege permissions, derived
+    from shared/subjects.py (the shipped copy is deploy/nats/auth.conf)."""
+    from shared.natsauth import auth_conf
+
+    text = auth_conf()
+    if out is None:
+        sys.stdout.write(text)
+        return
+    out.write_text(text)
+    console.print(f"wrote {out}")
 
 
 def main() -> None:

@@ -34,6 +34,7 @@ from shared.config import ChorusConfig, ConfigError, load_config
 from shared.natsserver import NatsServer
 from shared.plotting import eval_table_rows, load_evals, plot_run, plot_training, summarize
 from shared.progress import ProgressView, RunTracker
+from shared.runbus import run_exists
 from shared.service import EX_RUN_FAILED
 from shared.subjects import Names
 
@@ -253,10 +254,11 @@ class Restarts:
         return keys
 
 
-def resolve_run(config_path: Path) -> ChorusConfig:
-    """Load the config with a unique run id (``<run.id>-<YYYYmmdd-HHMMSS>``) and an absolute run dir."""
+def resolve_run(config_path: Path, run_id: str | None = None) -> ChorusConfig:
+    """Load the config with a unique run id (``<run.id>-<YYYYmmdd-HHMMSS>``, or ``run_id`` as given) and an
+    absolute run dir."""
     base = load_config(config_path)
-    overrides = {"CHORUS_RUN__ID": unique_run_id(base.run.id), "CHORUS_RUN__DIR": str(base.run.dir.resolve())}
+    overrides = {"CHORUS_RUN__ID": run_id or unique_run_id(base.run.id), "CHORUS_RUN__DIR": str(base.run.dir.resolve())}
     with env_override(**overrides):
         return load_config(config_path)
 
@@ -290,17 +292,19 @@ def _port_free(port: int) -> bool:
 
 
 def child_env(cfg: ChorusConfig) -> dict[str, str]:
-    """Environment of every service: the resolved run id and dir win over anything in the YAML."""
+    """Environment of every service: the resolved run id and dir win over anything in the YAML; the NATS secrets
+    that config.yaml leaves out (nats.password, nats.token) are passed here."""
     root = str(Path(__file__).resolve().parents[1])
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
-    return {**os.environ, "CHORUS_RUN__ID": cfg.run.id, "CHORUS_RUN__DIR": str(cfg.run.dir),
+    return {**os.environ, **cfg.secret_env(), "CHORUS_RUN__ID": cfg.run.id, "CHORUS_RUN__DIR": str(cfg.run.dir),
             "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
 
 
 async def run_up(config_path: Path | None, *, timeout_s: float | None = None, console: Console | None = None,
-                 resume: Path | None = None) -> int:
-    """Run a whole config to ``train.max_versions``, or continue the run in directory ``resume``.
-    Exit code: 0 done, 1 failure/timeout, 130 interrupted."""
+                 resume: Path | None = None, run_id: str | None = None) -> int:
+    """Run a whole config to ``train.max_versions``, or continue the run in directory ``resume``. A new run whose
+    id already has streams or buckets on the server is refused (exit 1): resume it, or ``chorus clean`` it.
+    Exit code: 0 done, 1 failure/timeout/refused, 130 interrupted."""
     console = console or Console()
     embedded = False
     if resume is not None:
@@ -308,7 +312,7 @@ async def run_up(config_path: Path | None, *, timeout_s: float | None = None, co
         console.print(f"resuming run [bold]{cfg.run.id}[/] in {cfg.run_dir}")
     else:
         assert config_path is not None
-        cfg = resolve_run(config_path)
+        cfg = resolve_run(config_path, run_id)
         embedded = not cfg.nats.url
         console.print(f"run [bold]{cfg.run.id}[/] in {cfg.run_dir}")
     names = Names(cfg.run.id)
@@ -342,7 +346,14 @@ async def run_up(config_path: Path | None, *, timeout_s: float | None = None, co
     tracker: RunTracker | None = None
     code = 1
     try:
-        nc = await connect(url, "chorus-up", timeout_s=cfg.nats.connect_timeout_s)
+        nc = await connect(url, "chorus-up", timeout_s=cfg.nats.connect_timeout_s, nats_cfg=cfg.nats,
+                           kind="supervisor")
+        if resume is None and await run_exists(nc.jetstream(timeout=10.0), cfg.run.id):
+            # a new run never inherits another's KV versions, streams or objects
+            console.print(f"[red]run {cfg.run.id} already exists on the NATS server at {url}: continue it with "
+                          f"`chorus up --resume {run_dir}`, or remove it first with `chorus clean {cfg.run.id} "
+                          f"--config {config_file}`")
+            return 1
         kv, _ = await ensure_run(nc.jetstream(timeout=10.0), cfg)  # before any child: no creation races
         tracker = RunTracker.for_models(list(cfg.models), cfg.train.max_versions)
 

@@ -1,0 +1,115 @@
+"""A tiny two-model run on a three-node NATS cluster with TLS and the shipped least-privilege authorization config."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import structlog
+
+from shared.bus import connect, kv_get_int
+from shared.config import load_config
+from shared.credentials import KINDS, password_env
+from shared.natsserver import NatsCluster
+from shared.service import Service
+from shared.subjects import SERVICES, Names
+from tests.conftest import ROOT
+from tests.e2e.conftest import CHORUS, small_run_config
+from tests.e2e.natstls import make_tls
+
+MODELS = ["solver_lm", "verifier_lm"]
+AUTH = ROOT / "deploy" / "nats" / "auth.conf"
+
+
+@pytest.fixture
+def secure_cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[NatsCluster]:
+    """Three routed nodes on loopback, TLS for clients and routes, deploy/nats/auth.conf with a test password per
+    kind in the environment (the servers and every client read the same variables)."""
+    for kind in KINDS:
+        monkeypatch.setenv(password_env(kind), f"test-{kind}-secret")
+    cluster = NatsCluster(tmp_path / "nats", 3, tls=make_tls(tmp_path / "tls"), include=AUTH).start()
+    yield cluster
+    cluster.stop()
+
+
+async def chorus(args: list[str], url: str) -> tuple[int | None, str]:
+    """The ``chorus`` command against the cluster: its exit code and output."""
+    proc = await asyncio.create_subprocess_exec(CHORUS, *args, env={**os.environ, "CHORUS_NATS__URL": url},
+                                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    out, _ = await proc.communicate()
+    return proc.returncode, out.decode(errors="replace")
+
+
+class Intruder(Service):
+    """A trainer-kind service (the trainer's credentials) that publishes where only the coordinator may."""
+
+    name = "trainer"
+    per_model = True
+
+
+async def test_run_completes_on_a_tls_cluster_with_per_kind_credentials_and_denials_are_counted(
+        secure_cluster, run_id, tmp_path):
+    tls = secure_cluster.nodes[0].tls
+    assert tls is not None and secure_cluster.url.startswith("tls://")
+    nats_section = {"replicas": 3, "user": "{service}", "tls_ca": str(tls.ca)}
+    config = small_run_config(tmp_path, run_id, sections={"nats": nats_section}, max_versions=2, global_batch=8,
+                              micro_batch=8)
+    cfg = load_config(config)
+    # Every service's metrics as the run goes, through an observer's own credentials.
+    counters: dict[str, dict[str, int]] = {}
+
+    async def on_metrics(msg) -> None:
+        m = json.loads(msg.data)
+        counters[msg.subject.split(".", 3)[3]] = m["counters"]
+
+    observer = await connect(secure_cluster.url, "test-observer", nats_cfg=cfg.nats, kind="observer")
+    await observer.subscribe(f"chorus.{run_id}.metrics.>", cb=on_metrics)
+
+    code, text = await chorus(["up", str(config), "--run", run_id, "--timeout-s", "240"], secure_cluster.url)
+    assert code == 0, text[-4000:]
+    assert "every model reached train.max_versions" in text
+
+    # The run's state is replicated on the three nodes, and both models trained to the end.
+    admin = await connect(secure_cluster.url, "test-admin", nats_cfg=cfg.nats, kind="admin")
+    js = admin.jetstream(timeout=10.0)
+    names = Names(run_id)
+    for stream in names.streams(MODELS):
+        info = await js.stream_info(stream)
+        assert info.config.num_replicas == 3, stream
+        assert info.cluster is not None and len(info.cluster.replicas or []) == 2, stream
+    kv = await js.key_value(names.kv_bucket)
+    assert {m: await kv_get_int(kv, Names.trained_key(m)) for m in MODELS} == {m: 2 for m in MODELS}
+    # Every service kind took part with its own user, and none was refused anything.
+    assert {key.split(".")[0] for key in counters} == set(SERVICES), counters
+    assert not {k: c for k, c in counters.items() if c.get("permission_denied")}, counters
+
+    # A service publishing outside its permissions: denied by the server, logged and counted, and it lives on.
+    intruder = Intruder(cfg, nats_url=secure_cluster.url, model=MODELS[0], instance="intruder")
+    await intruder.start()
+    try:
+        with structlog.testing.capture_logs() as logs:
+            await intruder.publish_quietly(names.traj(MODELS[0]), b"forged sample")
+            await intruder.nc.flush()
+            for _ in range(50):
+                if intruder.counters["permission_denied"]:
+                    break
+                await asyncio.sleep(0.1)
+        assert intruder.counters["permission_denied"] == 1
+        assert intruder.counters["permission_denied_publish"] == 1
+        assert {"event": "nats permission denied", "operation": "publish", "subject": names.traj(MODELS[0]),
+                "kind": "trainer"}.items() <= next(e for e in logs if e["event"] == "nats permission denied").items()
+        assert (await js.stream_info(names.traj_stream(MODELS[0]))).state.messages == 0  # nothing got in
+        # still connected, and its metrics (its status endpoint, asked by the observer) carry the count
+        assert intruder.nc.is_connected
+        status = await observer.request(intruder.status_subject, b"", timeout=5.0)
+        assert json.loads(status.data)["counters"]["permission_denied"] == 1
+    finally:
+        intruder.stop()
+        await intruder._close()
+        await observer.close()
+        await admin.close()
