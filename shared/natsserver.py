@@ -72,7 +72,7 @@ class NatsServer:
     def __init__(self, store_dir: str | os.PathLike[str], *, port: int | None = None, max_payload_mb: int = 8,
                  log_file: str | os.PathLike[str] | None = None, server_name: str | None = None,
                  routes: Routes | None = None, monitor_port: int | None = None, tls: Tls | None = None,
-                 include: str | os.PathLike[str] | None = None) -> None:
+                 include: str | os.PathLike[str] | None = None, tags: tuple[str, ...] = ()) -> None:
         self.store_dir = Path(store_dir)
         self.port = port or free_port()
         self.max_payload_mb = max_payload_mb
@@ -81,6 +81,7 @@ class NatsServer:
         self.routes = routes
         self.monitor_port = monitor_port  # the HTTP monitoring endpoint (/connz, /jsz), when set
         self.tls = tls
+        self.tags = tags  # server_tags, for JetStream placement (nats.placement_tags)
         self.include = Path(include).resolve() if include is not None else None
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -94,6 +95,8 @@ class NatsServer:
                 f"jetstream {{\n  store_dir: \"{self.store_dir / 'jetstream'}\"\n}}\n")
         if self.server_name:
             text += f"server_name: {self.server_name}\n"
+        if self.tags:
+            text += f"server_tags: [{', '.join(self.tags)}]\n"
         if self.monitor_port:
             text += f"http: 127.0.0.1:{self.monitor_port}\n"
         if self.routes is not None:
@@ -177,13 +180,15 @@ class NatsCluster:
     nodes: list[NatsServer] = field(default_factory=list)
     tls: Tls | None = None  # TLS for clients and routes
     include: Path | None = None  # an authorization config (deploy/nats/auth.conf) on every node
+    tags: tuple[str, ...] = ()  # server_tags of every node
 
     def __post_init__(self) -> None:
         self.store_dir = Path(self.store_dir)
         route_ports = tuple(free_port() for _ in range(self.size))
         self.nodes = [
             NatsServer(self.store_dir / f"n{i}", max_payload_mb=self.max_payload_mb, server_name=f"n{i}",
-                       routes=Routes("chorus", route_ports[i], route_ports), tls=self.tls, include=self.include)
+                       routes=Routes("chorus", route_ports[i], route_ports), tls=self.tls, include=self.include,
+                       tags=self.tags)
             for i in range(self.size)
         ]
 

@@ -16,7 +16,7 @@ def make_tls(directory: Path) -> Tls:
     """A CA, and a certificate for 127.0.0.1 / localhost signed by it that serves as server and client
     certificate (nats-server routes verify both ends); EC keys, quick to make."""
     directory.mkdir(parents=True, exist_ok=True)
-    ca_key, ca, key, csr, cert = (directory / n for n in ("ca.key", "ca.pem", "server.key", "server.csr",
+    ca_key, ca, key, csr, cert = (directory / n for n in ("ca.key", "ca.pem", "server-key.pem", "server.csr",
                                                              "server.pem"))
     ext = directory / "server.ext"
     ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth,clientAuth\n"

@@ -28,11 +28,12 @@ AUTH = ROOT / "deploy" / "nats" / "auth.conf"
 
 @pytest.fixture
 def secure_cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[NatsCluster]:
-    """Three routed nodes on loopback, TLS for clients and routes, deploy/nats/auth.conf with a test password per
-    kind in the environment (the servers and every client read the same variables)."""
+    """Three routed nodes on loopback tagged `chorus`, TLS for clients and routes, deploy/nats/auth.conf with a test
+    password per kind in the environment (the servers and every client read the same variables)."""
     for kind in KINDS:
         monkeypatch.setenv(password_env(kind), f"test-{kind}-secret")
-    cluster = NatsCluster(tmp_path / "nats", 3, tls=make_tls(tmp_path / "tls"), include=AUTH).start()
+    cluster = NatsCluster(tmp_path / "nats", 3, tls=make_tls(tmp_path / "tls"), include=AUTH, tags=("chorus",))
+    cluster.start()
     yield cluster
     cluster.stop()
 
@@ -56,7 +57,8 @@ async def test_run_completes_on_a_tls_cluster_with_per_kind_credentials_and_deni
         secure_cluster, run_id, tmp_path):
     tls = secure_cluster.nodes[0].tls
     assert tls is not None and secure_cluster.url.startswith("tls://")
-    nats_section = {"replicas": 3, "user": "{service}", "tls_ca": str(tls.ca)}
+    nats_section = {"replicas": 3, "placement_tags": ["chorus"], "max_age_s": 3600, "user": "{service}",
+                    "tls_ca": str(tls.ca)}
     config = small_run_config(tmp_path, run_id, sections={"nats": nats_section}, max_versions=2, global_batch=8,
                               micro_batch=8)
     cfg = load_config(config)
@@ -81,7 +83,9 @@ async def test_run_completes_on_a_tls_cluster_with_per_kind_credentials_and_deni
     for stream in names.streams(MODELS):
         info = await js.stream_info(stream)
         assert info.config.num_replicas == 3, stream
+        assert info.config.placement is not None and info.config.placement.tags == ["chorus"], stream
         assert info.cluster is not None and len(info.cluster.replicas or []) == 2, stream
+    assert (await js.stream_info(names.events_stream())).config.max_age == 3600
     kv = await js.key_value(names.kv_bucket)
     assert {m: await kv_get_int(kv, Names.trained_key(m)) for m in MODELS} == {m: 2 for m in MODELS}
     # Every service kind took part with its own user, and none was refused anything.
