@@ -29,6 +29,7 @@ from pydantic import BaseModel
 from shared.bus import connect, ensure_run
 from shared.codec import DecodeError, decode, encode_json
 from shared.config import ChorusConfig, ConfigError, load_config
+from shared.credentials import describe
 from shared.logs import setup_logging
 from shared.peers import PeerWatch
 from shared.subjects import Names
@@ -146,7 +147,7 @@ class Service:
         )
         await self.setup()
         self.spawn(self._metrics_loop(), "metrics")
-        self.log.info("service started", nats=self.nats_url)
+        self.log.info("service started", nats=self.nats_url, auth=describe(self.cfg.nats, self.name))
 
     def stop(self, code: int = 0) -> None:
         """Ask the service to drain and exit."""

@@ -23,6 +23,7 @@ from typing import Any
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
 from nats.js.kv import KeyValue
 from rich.console import Console
 from rich.live import Live
@@ -35,7 +36,7 @@ from shared.natsserver import NatsServer
 from shared.plotting import eval_table_rows, load_evals, plot_run, plot_training, summarize
 from shared.progress import ProgressView, RunTracker
 from shared.runbus import run_exists
-from shared.service import EX_RUN_FAILED
+from shared.service import EX_RUN_FAILED, START_WAIT_S
 from shared.subjects import Names
 
 STOP_GRACE_S = 20.0
@@ -348,7 +349,7 @@ async def run_up(config_path: Path | None, *, timeout_s: float | None = None, co
     try:
         nc = await connect(url, "chorus-up", timeout_s=cfg.nats.connect_timeout_s, nats_cfg=cfg.nats,
                            kind="supervisor")
-        if resume is None and await run_exists(nc.jetstream(timeout=10.0), cfg.run.id):
+        if resume is None and await _run_exists(nc, cfg.run.id):
             # a new run never inherits another's KV versions, streams or objects
             console.print(f"[red]run {cfg.run.id} already exists on the NATS server at {url}: continue it with "
                           f"`chorus up --resume {run_dir}`, or remove it first with `chorus clean {cfg.run.id} "
@@ -398,6 +399,19 @@ async def run_up(config_path: Path | None, *, timeout_s: float | None = None, co
         for line in tracker.sample_lines():
             console.print(line)
     return code
+
+
+async def _run_exists(nc: NATS, run: str) -> bool:
+    """Whether the server holds anything of ``run``, asked until JetStream answers (a cluster that just started
+    is still electing its meta leader) for up to ``START_WAIT_S``."""
+    deadline = time.monotonic() + START_WAIT_S
+    while True:
+        try:
+            return await run_exists(nc.jetstream(timeout=5.0), run)
+        except (NatsError, TimeoutError):
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(1.0)
 
 
 async def _await_last_eval(evals: list[dict[str, Any]], timeout_s: float, stop: asyncio.Event,

@@ -3,23 +3,26 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-import os
-import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import nats.errors
 import pytest
 import structlog
 
-from shared.bus import connect, kv_get_int
+from shared.bus import connect, ensure_run, kv_get_int
 from shared.config import load_config
 from shared.credentials import KINDS, password_env
 from shared.natsserver import NatsCluster
+from shared.runbus import run_exists
 from shared.service import Service
 from shared.subjects import SERVICES, Names
 from tests.conftest import ROOT
-from tests.e2e.conftest import CHORUS, small_run_config
+from tests.e2e.cluster import Cluster
+from tests.e2e.conftest import small_run_config
 from tests.e2e.natstls import make_tls
 
 MODELS = ["solver_lm", "verifier_lm"]
@@ -38,12 +41,14 @@ def secure_cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[
     cluster.stop()
 
 
-async def chorus(args: list[str], url: str) -> tuple[int | None, str]:
-    """The ``chorus`` command against the cluster: its exit code and output."""
-    proc = await asyncio.create_subprocess_exec(CHORUS, *args, env={**os.environ, "CHORUS_NATS__URL": url},
-                                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    out, _ = await proc.communicate()
-    return proc.returncode, out.decode(errors="replace")
+async def wait_trained(kv, cluster: Cluster, target: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if all([await kv_get_int(kv, Names.trained_key(m)) >= target for m in MODELS]):
+            return
+        assert not cluster.dead(), f"a service died\n{cluster.logs()}"
+        await asyncio.sleep(0.5)
+    raise AssertionError(f"the models did not reach version {target} in {timeout_s} s\n{cluster.logs()}")
 
 
 class Intruder(Service):
@@ -71,23 +76,37 @@ async def test_run_completes_on_a_tls_cluster_with_per_kind_credentials_and_deni
 
     observer = await connect(secure_cluster.url, "test-observer", nats_cfg=cfg.nats, kind="observer")
     await observer.subscribe(f"chorus.{run_id}.metrics.>", cb=on_metrics)
+    names = Names(run_id)
+    # What `chorus up` does first, as the supervisor: check that the run id is new, create the run.
+    supervisor = await connect(secure_cluster.url, "test-supervisor", nats_cfg=cfg.nats, kind="supervisor")
+    for _ in range(100):  # the cluster elects its JetStream meta leader after it starts
+        with contextlib.suppress(nats.errors.Error, TimeoutError):
+            await supervisor.jetstream(timeout=1.0).account_info()
+            break
+        await asyncio.sleep(0.2)
+    assert not await run_exists(supervisor.jetstream(timeout=10.0), run_id)
+    await ensure_run(supervisor.jetstream(timeout=10.0), cfg)
+    assert await run_exists(supervisor.jetstream(timeout=10.0), run_id)
+    await supervisor.close()
 
-    code, text = await chorus(["up", str(config), "--run", run_id, "--timeout-s", "240"], secure_cluster.url)
-    assert code == 0, text[-4000:]
-    assert "every model reached train.max_versions" in text
-
-    # The run's state is replicated on the three nodes, and both models trained to the end.
+    # Every service as its own process (`chorus serve <kind>`), each connecting as its kind's user.
+    cluster = Cluster(config, secure_cluster.url, tmp_path / "logs")
     admin = await connect(secure_cluster.url, "test-admin", nats_cfg=cfg.nats, kind="admin")
     js = admin.jetstream(timeout=10.0)
-    names = Names(run_id)
+    try:
+        cluster.start_all(MODELS)
+        kv = await js.key_value(names.kv_bucket)
+        await wait_trained(kv, cluster, 2, 180)
+    finally:
+        await cluster.stop_all()
+
+    # The run's state is replicated on the three nodes, placed on the tagged servers.
     for stream in names.streams(MODELS):
         info = await js.stream_info(stream)
         assert info.config.num_replicas == 3, stream
         assert info.config.placement is not None and info.config.placement.tags == ["chorus"], stream
         assert info.cluster is not None and len(info.cluster.replicas or []) == 2, stream
     assert (await js.stream_info(names.events_stream())).config.max_age == 3600
-    kv = await js.key_value(names.kv_bucket)
-    assert {m: await kv_get_int(kv, Names.trained_key(m)) for m in MODELS} == {m: 2 for m in MODELS}
     # Every service kind took part with its own user, and none was refused anything.
     assert {key.split(".")[0] for key in counters} == set(SERVICES), counters
     assert not {k: c for k, c in counters.items() if c.get("permission_denied")}, counters
@@ -95,6 +114,7 @@ async def test_run_completes_on_a_tls_cluster_with_per_kind_credentials_and_deni
     # A service publishing outside its permissions: denied by the server, logged and counted, and it lives on.
     intruder = Intruder(cfg, nats_url=secure_cluster.url, model=MODELS[0], instance="intruder")
     await intruder.start()
+    last_seq = (await js.stream_info(names.traj_stream(MODELS[0]))).state.last_seq
     try:
         with structlog.testing.capture_logs() as logs:
             await intruder.publish_quietly(names.traj(MODELS[0]), b"forged sample")
@@ -107,7 +127,7 @@ async def test_run_completes_on_a_tls_cluster_with_per_kind_credentials_and_deni
         assert intruder.counters["permission_denied_publish"] == 1
         assert {"event": "nats permission denied", "operation": "publish", "subject": names.traj(MODELS[0]),
                 "kind": "trainer"}.items() <= next(e for e in logs if e["event"] == "nats permission denied").items()
-        assert (await js.stream_info(names.traj_stream(MODELS[0]))).state.messages == 0  # nothing got in
+        assert (await js.stream_info(names.traj_stream(MODELS[0]))).state.last_seq == last_seq  # nothing got in
         # still connected, and its metrics (its status endpoint, asked by the observer) carry the count
         assert intruder.nc.is_connected
         status = await observer.request(intruder.status_subject, b"", timeout=5.0)
