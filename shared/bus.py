@@ -23,7 +23,7 @@ from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
 from shared.config import ChorusConfig, NatsSection
-from shared.credentials import client_options, permission_denied
+from shared.credentials import client_options, describe, permission_denied
 from shared.subjects import Names
 
 log = structlog.get_logger("bus")
@@ -49,6 +49,11 @@ async def connect(url: str, name: str, *, timeout_s: float = 5.0, nats_cfg: Nats
             log.warning("nats permission denied", operation=denied[0], subject=denied[1], client=name, kind=kind)
             if on_denied is not None:
                 on_denied(*denied)
+            return
+        if isinstance(exc, nats.errors.AuthorizationError) or "authorization violation" in str(exc).lower():
+            log.error("nats refused this client's credentials; check nats.user / password / token / nkey_seed / "
+                      "creds and the server's authorization config", client=name, kind=kind,
+                      auth=describe(nats_cfg, kind) if nats_cfg is not None and kind is not None else "none")
             return
         log.warning("nats error", error=str(exc), client=name)
 

@@ -137,3 +137,11 @@ async def test_run_completes_on_a_tls_cluster_with_per_kind_credentials_and_deni
         await intruder._close()
         await observer.close()
         await admin.close()
+
+    # `chorus status` reads the run as an observer; `chorus clean` removes it from the three nodes as admin.
+    from shared.cli import _clean, _status
+
+    assert await _status(cfg, secure_cluster.url) is not None
+    removed = await _clean(cfg, secure_cluster.url, run_id)
+    assert sorted(removed) == sorted(names.streams(MODELS))
+    assert await _clean(cfg, secure_cluster.url, run_id) == []
