@@ -22,8 +22,8 @@ def test_service_placeholder_gives_each_kind_its_own_identity(tmp_path, monkeypa
     assert client_options(cfg, "trainer")["password"] == "from-env"
     with pytest.raises(ConfigError, match="password_file: cannot read .*mq.pw"):
         client_options(cfg, "mq")
-    with pytest.raises(ConfigError, match="unknown NATS client kind"):
-        client_options(cfg, "intruder")
+    with pytest.raises(ConfigError, match="NATS client kind 'a.b' must match"):
+        client_options(cfg, "a.b")
 
 
 def test_token_nkey_creds_and_tls_options(tmp_path):
