@@ -337,6 +337,9 @@ def status(config: ConfigOpt, nats: NatsOpt = None, run: RunOpt = None) -> None:
     setup_logging(json=False, level="ERROR")
     try:
         table = asyncio.run(asyncio.wait_for(_status(cfg, url), 30))
+    except ConfigError as exc:  # a credentials file that is not there
+        err.print(f"[red]error:[/] {exc}", highlight=False)
+        raise typer.Exit(2) from None
     except (OSError, TimeoutError) as exc:
         err.print(f"[red]error:[/] cannot reach NATS at {url}: {type(exc).__name__}: {exc}")
         raise typer.Exit(1) from None
@@ -423,6 +426,9 @@ def clean(
     setup_logging(json=False, level="ERROR")
     try:
         removed = asyncio.run(asyncio.wait_for(_clean(cfg, url, run), 60))
+    except ConfigError as exc:  # a credentials file that is not there
+        err.print(f"[red]error:[/] {exc}", highlight=False)
+        raise typer.Exit(2) from None
     except (OSError, TimeoutError, NatsError) as exc:
         err.print(f"[red]error:[/] cannot reach NATS at {url}: {type(exc).__name__}: {exc}")
         raise typer.Exit(1) from None
