@@ -23,7 +23,7 @@ from shared.subjects import SERVICES, Names
 from tests.conftest import ROOT
 from tests.e2e.cluster import Cluster
 from tests.e2e.conftest import small_run_config
-from tests.e2e.natstls import make_tls
+from tests.natstls import make_tls
 
 MODELS = ["solver_lm", "verifier_lm"]
 AUTH = ROOT / "deploy" / "nats" / "auth.conf"

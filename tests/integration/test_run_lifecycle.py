@@ -18,7 +18,7 @@ from shared.credentials import KINDS, password_env
 from shared.natsserver import NatsServer, free_port, nats_server_binary
 from shared.subjects import Names
 from tests.conftest import ROOT
-from tests.e2e.natstls import make_tls
+from tests.natstls import make_tls
 
 CHORUS = str(Path(sys.executable).parent / "chorus")
 

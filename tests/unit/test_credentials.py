@@ -9,6 +9,7 @@ import pytest
 from shared.config import ConfigError, NatsSection, config_from_yaml_text, load_config
 from shared.credentials import client_options, describe, password_env, permission_denied
 from tests.conftest import ROOT
+from tests.natstls import make_tls
 
 TINY = ROOT / "configs" / "tiny-chain.yaml"
 
@@ -32,9 +33,14 @@ def test_token_nkey_creds_and_tls_options(tmp_path):
     assert client_options(NatsSection(nkey_seed=str(tmp_path / "{service}.nk")), "mq")["nkeys_seed"].endswith("mq.nk")
     with pytest.raises(ConfigError, match="creds: .* is not a file"):
         client_options(NatsSection(creds=str(tmp_path / "{service}.creds")), "mq")
-    ca = ssl.get_default_verify_paths().cafile
-    if ca:
-        assert isinstance(client_options(NatsSection(tls_ca=ca), "mq")["tls"], ssl.SSLContext)
+    tls = make_tls(tmp_path / "tls")  # a client certificate per kind: {service} in its paths
+    (tmp_path / "tls" / "mq.pem").write_bytes(tls.cert.read_bytes())
+    (tmp_path / "tls" / "mq-key.pem").write_bytes(tls.key.read_bytes())
+    ctx = client_options(NatsSection(tls_ca=str(tls.ca), tls_cert=str(tmp_path / "tls" / "{service}.pem"),
+                                     tls_key=str(tmp_path / "tls" / "{service}-key.pem")), "mq")["tls"]
+    assert isinstance(ctx, ssl.SSLContext) and ctx.verify_mode == ssl.CERT_REQUIRED
+    with pytest.raises(ConfigError, match="tls_cert: .*trainer.pem is not a file"):
+        client_options(NatsSection(tls_cert=str(tmp_path / "tls" / "{service}.pem"), tls_key="k.pem"), "trainer")
     with pytest.raises(ValueError, match="one of user, token"):
         NatsSection(user="a", token="b")
     with pytest.raises(ValueError, match="tls_cert and tls_key"):
