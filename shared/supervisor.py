@@ -259,7 +259,8 @@ def resolve_run(config_path: Path, run_id: str | None = None) -> ChorusConfig:
     """Load the config with a unique run id (``<run.id>-<YYYYmmdd-HHMMSS>``, or ``run_id`` as given) and an
     absolute run dir."""
     base = load_config(config_path)
-    overrides = {"CHORUS_RUN__ID": run_id or unique_run_id(base.run.id), "CHORUS_RUN__DIR": str(base.run.dir.resolve())}
+    overrides = {"CHORUS_RUN__ID": run_id or unique_run_id(base.run.id),
+                 "CHORUS_RUN__DIR": str(base.run.dir.resolve())}
     with env_override(**overrides):
         return load_config(config_path)
 
