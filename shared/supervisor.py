@@ -330,8 +330,7 @@ async def run_up(config_path: Path | None, *, timeout_s: float | None = None, co
         url = server.url
         console.print(f"embedded nats-server at {url} (log {server.log_file})")
     cfg.nats.url = url  # so that `chorus status --config <run_dir>/config.yaml` finds the live run
-    config_file = run_dir / "config.yaml"
-    config_file.write_text(cfg.dump_yaml())
+    config_file = run_dir / "config.yaml"  # written once the run id is known to be new (or resumed)
 
     sup = Supervisor(run_dir / "logs", env=child_env(cfg))
     loop = asyncio.get_running_loop()
@@ -354,8 +353,9 @@ async def run_up(config_path: Path | None, *, timeout_s: float | None = None, co
             # a new run never inherits another's KV versions, streams or objects
             console.print(f"[red]run {cfg.run.id} already exists on the NATS server at {url}: continue it with "
                           f"`chorus up --resume {run_dir}`, or remove it first with `chorus clean {cfg.run.id} "
-                          f"--config {config_file}`")
+                          f"--config {config_path}`")
             return 1
+        config_file.write_text(cfg.dump_yaml())
         kv, _ = await ensure_run(nc.jetstream(timeout=10.0), cfg)  # before any child: no creation races
         tracker = RunTracker.for_models(list(cfg.models), cfg.train.max_versions)
 

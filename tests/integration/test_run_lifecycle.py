@@ -49,6 +49,7 @@ async def test_up_refuses_an_existing_run_id_and_clean_removes_the_run(nats_url,
         assert up.returncode == 1, up.stdout + up.stderr
         assert f"run {run_id} already exists on the NATS server" in up.stdout and "--resume" in up.stdout
         assert not (tmp_path / "runs" / run_id / "logs").exists()  # no service was started
+        assert not (tmp_path / "runs" / run_id / "config.yaml").exists()  # a run's config.yaml is never replaced
         assert (await js.stream_info(names.events_stream())).state.messages == 0  # nothing of it was touched
 
         clean = _chorus("clean", run_id, "--config", str(config))
