@@ -7,6 +7,7 @@ import base64
 import contextlib
 import hashlib
 import json
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -21,7 +22,8 @@ from nats.js.errors import BadRequestError, BucketNotFoundError, KeyNotFoundErro
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
-from shared.config import ChorusConfig
+from shared.config import ChorusConfig, NatsSection
+from shared.credentials import client_options, describe, permission_denied
 from shared.subjects import Names
 
 log = structlog.get_logger("bus")
@@ -39,17 +41,33 @@ class BrokerUnreachable(ConnectionError):
                          "check the URL (--nats, nats.url or CHORUS_NATS__URL) and that the server is up")
 
 
-async def connect(url: str, name: str, *, timeout_s: float = 5.0) -> NATS:
+async def connect(url: str, name: str, *, timeout_s: float = 5.0, nats_cfg: NatsSection | None = None,
+                  kind: str | None = None, on_denied: Callable[[str, str], None] | None = None) -> NATS:
     """Connect, trying the servers of ``url`` for ``timeout_s`` in all (then :class:`BrokerUnreachable`); once
     connected, reconnects are unlimited and connection problems are logged, not raised later.
 
     ``url`` may name several servers of a cluster, comma-separated; the client also learns the others from the
-    server it reaches and reconnects to a surviving one when its server goes.
+    server it reaches and reconnects to a surviving one when its server goes. With ``nats_cfg`` and ``kind`` the
+    client authenticates as that kind (:func:`shared.credentials.client_options`: user/password, token, nkey,
+    creds, TLS). A permissions violation the server reports is logged with its operation and subject and passed
+    to ``on_denied(operation, subject)``; the connection stays up.
     """
+    options = client_options(nats_cfg, kind) if nats_cfg is not None and kind is not None else {}
     last_error: list[str] = []
 
     async def on_error(exc: Exception) -> None:
         last_error[:] = [f"{type(exc).__name__}: {exc}".rstrip(": ")]
+        denied = permission_denied(str(exc))
+        if denied is not None:
+            log.warning("nats permission denied", operation=denied[0], subject=denied[1], client=name, kind=kind)
+            if on_denied is not None:
+                on_denied(*denied)
+            return
+        if isinstance(exc, nats.errors.AuthorizationError) or "authorization violation" in str(exc).lower():
+            log.error("nats refused this client's credentials; check nats.user / password / token / nkey_seed / "
+                      "creds and the server's authorization config", client=name, kind=kind,
+                      auth=describe(nats_cfg, kind) if nats_cfg is not None and kind is not None else "none")
+            return
         log.warning("nats error", error=str(exc), client=name)
 
     async def on_disconnect() -> None:
@@ -70,6 +88,7 @@ async def connect(url: str, name: str, *, timeout_s: float = 5.0) -> NATS:
         error_cb=on_error,
         disconnected_cb=on_disconnect,
         reconnected_cb=on_reconnect,
+        **options,
     ))
     try:
         await asyncio.wait_for(asyncio.shield(connecting), timeout_s)
@@ -96,32 +115,50 @@ async def ensure_stream(js: JetStreamContext, config: jsapi.StreamConfig) -> jsa
         return await js.update_stream(config=config)
 
 
-async def ensure_kv(js: JetStreamContext, bucket: str, history: int = 1, replicas: int = 1) -> KeyValue:
+def placement(tags: list[str]) -> jsapi.Placement | None:
+    """JetStream placement on the servers that carry every one of ``tags`` (None: anywhere)."""
+    return jsapi.Placement(tags=list(tags)) if tags else None
+
+
+async def ensure_kv(js: JetStreamContext, bucket: str, history: int = 1, replicas: int = 1,
+                    tags: list[str] | None = None) -> KeyValue:
     try:
         return await js.key_value(bucket)
     except (BucketNotFoundError, NotFoundError):
+        # The bucket's stream as nats-py's create_key_value makes it, with placement (which that call drops).
+        config = jsapi.StreamConfig(
+            name=f"KV_{bucket}", subjects=[f"$KV.{bucket}.>"], allow_rollup_hdrs=True, allow_msg_ttl=True,
+            deny_delete=True, discard=jsapi.DiscardPolicy.NEW, duplicate_window=DEDUP_WINDOW_S, max_consumers=-1,
+            max_msgs=-1, max_msgs_per_subject=history, num_replicas=replicas, placement=placement(tags or []))
         try:
-            return await js.create_key_value(bucket=bucket, history=history, replicas=replicas)
+            await js.add_stream(config=config)
         except BadRequestError:  # created concurrently by another service
-            return await js.key_value(bucket)
+            pass
+        return await js.key_value(bucket)
 
 
-async def ensure_obj(js: JetStreamContext, bucket: str, replicas: int = 1) -> ObjectStore:
+async def ensure_obj(js: JetStreamContext, bucket: str, replicas: int = 1, tags: list[str] | None = None) -> ObjectStore:
     try:
         return await js.object_store(bucket)
     except (BucketNotFoundError, NotFoundError):
         try:
-            return await js.create_object_store(bucket=bucket, config=jsapi.ObjectStoreConfig(replicas=replicas))
+            return await js.create_object_store(bucket=bucket, config=jsapi.ObjectStoreConfig(
+                replicas=replicas, placement=placement(tags or [])))
         except BadRequestError:
             return await js.object_store(bucket)
 
 
 async def ensure_run(js: JetStreamContext, cfg: ChorusConfig) -> tuple[KeyValue, ObjectStore]:
     """Idempotently create every stream, the KV bucket and the object store of a run, each with
-    ``nats.replicas`` copies."""
+    ``nats.replicas`` copies on servers tagged ``nats.placement_tags``; the streams keep messages for
+    ``nats.max_age_s`` (0: no limit)."""
     names = Names(cfg.run.id)
     max_bytes = cfg.nats.max_payload_mb * 1024 * 1024
     replicas = cfg.nats.replicas
+    tags = cfg.nats.placement_tags
+    where: dict[str, Any] = {"num_replicas": replicas, "placement": placement(tags),
+                             "max_age": cfg.nats.max_age_s or None}
+    dedup = min(DEDUP_WINDOW_S, cfg.nats.max_age_s or DEDUP_WINDOW_S)  # the server wants it within max_age
     await ensure_stream(
         js,
         jsapi.StreamConfig(
@@ -131,9 +168,9 @@ async def ensure_run(js: JetStreamContext, cfg: ChorusConfig) -> tuple[KeyValue,
             storage=jsapi.StorageType.FILE,
             max_bytes=cfg.nats.events_max_mb * 1024 * 1024,
             discard=jsapi.DiscardPolicy.OLD,
-            duplicate_window=DEDUP_WINDOW_S,
+            duplicate_window=dedup,
             max_msg_size=max_bytes,
-            num_replicas=replicas,
+            **where,
         ),
     )
     for model in cfg.models:
@@ -146,9 +183,9 @@ async def ensure_run(js: JetStreamContext, cfg: ChorusConfig) -> tuple[KeyValue,
                 storage=jsapi.StorageType.FILE,
                 max_msgs=1_000_000,
                 discard=jsapi.DiscardPolicy.NEW,
-                duplicate_window=DEDUP_WINDOW_S,
+                duplicate_window=dedup,
                 max_msg_size=max_bytes,
-                num_replicas=replicas,
+                **where,
             ),
         )
         await ensure_stream(
@@ -160,13 +197,13 @@ async def ensure_run(js: JetStreamContext, cfg: ChorusConfig) -> tuple[KeyValue,
                 storage=jsapi.StorageType.FILE,
                 max_msgs=cfg.mq.max_ready_msgs,
                 discard=jsapi.DiscardPolicy.NEW,
-                duplicate_window=DEDUP_WINDOW_S,
+                duplicate_window=dedup,
                 max_msg_size=max_bytes,
-                num_replicas=replicas,
+                **where,
             ),
         )
-    kv = await ensure_kv(js, names.kv_bucket, replicas=replicas)
-    obj = await ensure_obj(js, names.obj_bucket, replicas=replicas)
+    kv = await ensure_kv(js, names.kv_bucket, replicas=replicas, tags=tags)
+    obj = await ensure_obj(js, names.obj_bucket, replicas=replicas, tags=tags)
     return kv, obj
 
 

@@ -168,7 +168,7 @@ def health(
     setup_logging(json=False, level="CRITICAL")  # the one line below is the output, not reconnect chatter
     ok, reason = _asyncio.run(probe(url, service, model=model, instance=instance, run=run,
                                     base=cfg.run.id, timeout_s=timeout,
-                                    connect_timeout_s=min(timeout, cfg.nats.connect_timeout_s)))
+                                    connect_timeout_s=min(timeout, cfg.nats.connect_timeout_s), nats_cfg=cfg.nats))
     (console if ok else err).print(("healthy: " if ok else "unhealthy: ") + reason, highlight=False, soft_wrap=True)
     raise typer.Exit(0 if ok else 1)
 
@@ -179,6 +179,9 @@ def up(
     timeout_s: Annotated[float | None, typer.Option("--timeout-s", help="fail if not finished in time")] = None,
     resume: Annotated[Path | None, typer.Option(
         "--resume", help="continue the run in this directory (runs/<run-id>) after it was stopped or killed")] = None,
+    run: Annotated[str | None, typer.Option(
+        "--run", help="run id as given (default: run.id of the config with -YYYYmmdd-HHMMSS appended); an id that "
+        "already exists on the NATS server is refused: continue it with --resume, or `chorus clean` it")] = None,
 ) -> None:
     """Run a whole config on this machine until every model reaches train.max_versions, or resume a run."""
     import uvloop
@@ -186,13 +189,24 @@ def up(
     from shared.bus import BrokerUnreachable
     from shared.supervisor import run_up
 
+    if run is not None and resume is not None:
+        err.print("[red]error:[/] --run names a new run; --resume continues the run of its directory: give one")
+        raise typer.Exit(2)
+    if run is not None:
+        from shared.subjects import check_token
+
+        try:
+            check_token(run, "--run")
+        except ValueError as exc:
+            err.print(f"[red]error:[/] {exc}")
+            raise typer.Exit(2) from None
     if (config is None) == (resume is None):
         err.print("[red]error:[/] give either a config (chorus up CONFIG) or a run directory to continue "
                   "(chorus up --resume runs/<run-id>)")
         raise typer.Exit(2)
     setup_logging(json=False, level="ERROR")  # the progress view is the output; client reconnect chatter is not
     try:
-        code = uvloop.run(run_up(config, timeout_s=timeout_s, console=console, resume=resume))
+        code = uvloop.run(run_up(config, timeout_s=timeout_s, console=console, resume=resume, run_id=run))
     except ConfigError as exc:
         err.print(f"[red]error:[/] {exc}", highlight=False)
         raise typer.Exit(2) from None
@@ -239,7 +253,7 @@ async def _status(cfg: ChorusConfig, url: str) -> RenderableType:
     from shared.supervisor import ping_run
 
     names = Names(cfg.run.id)
-    nc = await connect(url, "chorus-status", timeout_s=cfg.nats.connect_timeout_s)
+    nc = await connect(url, "chorus-status", timeout_s=cfg.nats.connect_timeout_s, nats_cfg=cfg.nats, kind="observer")
     try:
         js = nc.jetstream(timeout=5.0)
         t = Table(title=f"run {cfg.run.id} at {url}")
@@ -447,6 +461,9 @@ def status(config: ConfigOpt, nats: NatsOpt = None, run: RunOpt = None) -> None:
 
     try:
         table = asyncio.run(asyncio.wait_for(_status(cfg, url), 30))
+    except ConfigError as exc:  # a credentials file that is not there
+        err.print(f"[red]error:[/] {exc}", highlight=False)
+        raise typer.Exit(2) from None
     except (OSError, TimeoutError, NatsError) as exc:
         _bus_gone(url, exc)
     console.print(table)
@@ -477,7 +494,8 @@ async def _monitor(cfg: ChorusConfig, url: str, duration_s: float | None) -> int
 
     names = Names(cfg.run.id)
     state = MonitorState()
-    nc = await asyncio.wait_for(connect(url, "chorus-monitor", timeout_s=cfg.nats.connect_timeout_s), 30)
+    nc = await asyncio.wait_for(connect(url, "chorus-monitor", timeout_s=cfg.nats.connect_timeout_s,
+                                        nats_cfg=cfg.nats, kind="observer"), 30)
 
     async def on_metrics(msg) -> None:  # noqa: ANN001 - nats Msg
         with contextlib.suppress(DecodeError):
@@ -579,7 +597,8 @@ def export(
                       highlight=False, soft_wrap=True)
 
 
-async def _export_prometheus(url: str, subject: str, host: str, port: int, connect_timeout_s: float) -> None:
+async def _export_prometheus(url: str, subject: str, host: str, port: int, connect_timeout_s: float,
+                             nats_cfg: Any = None) -> None:
     import signal
 
     from shared.bus import connect
@@ -591,7 +610,8 @@ async def _export_prometheus(url: str, subject: str, host: str, port: int, conne
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    nc = await asyncio.wait_for(connect(url, "chorus-export-prometheus", timeout_s=connect_timeout_s), 30)
+    nc = await asyncio.wait_for(connect(url, "chorus-export-prometheus", timeout_s=connect_timeout_s,
+                                        nats_cfg=nats_cfg, kind="observer" if nats_cfg is not None else None), 30)
 
     async def on_metrics(msg) -> None:  # noqa: ANN001 - nats Msg
         try:
@@ -641,10 +661,72 @@ def export_prometheus(
     setup_logging(json=False, level="ERROR")
     timeout = cfg.nats.connect_timeout_s if cfg else 5.0
     try:
-        asyncio.run(_export_prometheus(url, subject, host, port, timeout))
+        asyncio.run(_export_prometheus(url, subject, host, port, timeout, cfg.nats if cfg else None))
     except (OSError, TimeoutError) as exc:
         err.print(f"[red]error:[/] cannot reach NATS at {url} or serve on {host}:{port}: {type(exc).__name__}: {exc}")
         raise typer.Exit(1) from None
+
+
+async def _clean(cfg: ChorusConfig, url: str, run: str) -> list[str]:
+    from shared.bus import connect
+    from shared.runbus import clean_run
+
+    nc = await connect(url, "chorus-clean", timeout_s=cfg.nats.connect_timeout_s, nats_cfg=cfg.nats, kind="admin")
+    try:
+        return await clean_run(nc.jetstream(timeout=10.0), run)
+    finally:
+        await nc.close()
+
+
+@app.command()
+def clean(
+    run: Annotated[str, typer.Argument(help="the run id whose streams and buckets to delete")],
+    config: ConfigOpt, nats: NatsOpt = None,
+) -> None:
+    """Delete a run's streams, KV bucket and object store from the NATS server (its run directory stays)."""
+    from nats.errors import Error as NatsError
+
+    from shared.runbus import describe_stream
+    from shared.subjects import check_token
+
+    try:
+        check_token(run, "run id")
+    except ValueError as exc:
+        err.print(f"[red]error:[/] {exc}")
+        raise typer.Exit(2) from None
+    cfg = _load(config)
+    url = _url(cfg, nats)
+    setup_logging(json=False, level="ERROR")
+    try:
+        removed = asyncio.run(asyncio.wait_for(_clean(cfg, url, run), 60))
+    except ConfigError as exc:  # a credentials file that is not there
+        err.print(f"[red]error:[/] {exc}", highlight=False)
+        raise typer.Exit(2) from None
+    except (OSError, TimeoutError, NatsError) as exc:
+        err.print(f"[red]error:[/] cannot reach NATS at {url}: {type(exc).__name__}: {exc}")
+        raise typer.Exit(1) from None
+    if not removed:
+        err.print(f"[red]error:[/] run {run} has no stream or bucket on the NATS server at {url}")
+        raise typer.Exit(1)
+    for stream in removed:
+        console.print(f"removed {describe_stream(stream, run)}")
+    console.print(f"run {run}: removed {len(removed)} stream(s) and bucket(s) from {url}")
+
+
+@app.command("nats-auth")
+def nats_auth(
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="write here (default: print)")] = None,
+) -> None:
+    """The nats-server authorization config giving every Chorus client kind least-privilege permissions, derived
+    from shared/subjects.py (the shipped copy is deploy/nats/auth.conf)."""
+    from shared.natsauth import auth_conf
+
+    text = auth_conf()
+    if out is None:
+        sys.stdout.write(text)
+        return
+    out.write_text(text)
+    console.print(f"wrote {out}")
 
 
 def main() -> None:

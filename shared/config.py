@@ -14,7 +14,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
 from shared.schemas import MAX_NEW_TOKENS
@@ -55,11 +63,40 @@ class NatsSection(Section):
     # loss of any one node; 1 on a single server (more needs a cluster with at least that many nodes).
     replicas: int = Field(default=1, ge=1, le=5)
     events_max_mb: int = Field(default=256, ge=1)  # the events stream keeps the newest events up to this size
+    # Where JetStream puts the copies: servers whose `server_tags` hold every one of these tags (docs/security.md).
+    placement_tags: list[str] = Field(default_factory=list)
+    # A run's streams drop messages older than this (0: kept until `chorus clean`); the KV bucket and the object
+    # store keep theirs (they are the run's state), and go with `chorus clean <run>`.
+    max_age_s: float = Field(default=0.0, ge=0.0)
+    # Credentials and TLS (docs/security.md). `{service}` in user, password_file, creds, nkey_seed, tls_cert and
+    # tls_key becomes the kind of the connecting party (coordinator, rollouter, mq, trainer, paramsync, actions,
+    # supervisor, observer, admin), so one config gives every kind its own least-privilege identity. A password
+    # is read from CHORUS_NATS_PASSWORD_<KIND> when that is set, else from password_file, else password.
+    user: str | None = None
+    password: SecretStr | None = None
+    password_file: str | None = None
+    token: SecretStr | None = None
+    nkey_seed: str | None = None  # an nkey seed file (SU...)
+    creds: str | None = None  # a JWT credentials file (.creds), for operator-mode servers
+    tls_ca: str | None = None  # CA bundle that signed the servers' certificates (tls:// URLs use TLS anyway)
+    tls_cert: str | None = None  # client certificate, for servers that verify clients
+    tls_key: str | None = None
 
     @property
     def servers(self) -> list[str]:
         """The server URLs of ``url``."""
         return [u.strip() for u in (self.url or "").split(",") if u.strip()]
+
+    @model_validator(mode="after")
+    def _one_identity(self) -> NatsSection:
+        given = [k for k in ("user", "token", "nkey_seed", "creds") if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise ValueError(f"{given[0]}: give one of user, token, nkey_seed and creds, not {' and '.join(given)}")
+        if self.token is not None and (self.password is not None or self.password_file is not None):
+            raise ValueError("token: a token replaces user and password; leave password and password_file out")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert: a client certificate needs both tls_cert and tls_key")
+        return self
 
 
 class PeersSection(Section):
@@ -578,7 +615,20 @@ class ChorusConfig(BaseSettings):
         return max(1, self.train.micro_batch // self.workflow.group_size)
 
     def dump_yaml(self) -> str:
-        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+        """The config as YAML, secrets left out (nats.password and nats.token are null: pass them in the
+        environment, see :meth:`secret_env`)."""
+        data = self.model_dump(mode="json")
+        data["nats"].update(password=None, token=None)
+        return yaml.safe_dump(data, sort_keys=False)
+
+    def secret_env(self) -> dict[str, str]:
+        """``CHORUS_NATS__PASSWORD`` / ``CHORUS_NATS__TOKEN`` for the secrets :meth:`dump_yaml` leaves out."""
+        out = {}
+        for key in ("password", "token"):
+            value = getattr(self.nats, key)
+            if value is not None:
+                out[f"CHORUS_NATS__{key.upper()}"] = value.get_secret_value()
+        return out
 
 
 ENV_PREFIX = "CHORUS_"

@@ -89,14 +89,15 @@ def run_matches(answer_run: str, run: str | None, base: str) -> bool:
 
 
 async def probe(url: str, service: str, *, model: str | None, instance: str, run: str | None, base: str,
-                timeout_s: float, connect_timeout_s: float) -> tuple[bool, str]:
+                timeout_s: float, connect_timeout_s: float, nats_cfg: Any = None) -> tuple[bool, str]:
     """Ping every ``chorus-<service>`` on the bus and wait for the answer of this instance (model, instance, run).
-    Returns (healthy, one-line reason)."""
+    ``nats_cfg``: the credentials of an observer (a secured server). Returns (healthy, one-line reason)."""
     from shared.bus import connect
 
     deadline = time.monotonic() + timeout_s
     try:
-        nc = await asyncio.wait_for(connect(url, f"chorus-health.{service}", timeout_s=connect_timeout_s),
+        nc = await asyncio.wait_for(connect(url, f"chorus-health.{service}", timeout_s=connect_timeout_s,
+                                            nats_cfg=nats_cfg, kind="observer" if nats_cfg is not None else None),
                                     max(0.1, timeout_s))
     except Exception as exc:  # nats raises its own error types for an unreachable server, asyncio a TimeoutError
         return False, f"cannot reach NATS at {url} within {timeout_s:g} s ({type(exc).__name__}: {exc})"

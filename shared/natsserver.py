@@ -50,12 +50,29 @@ class Routes:
     ports: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class Tls:
+    """A server's certificate, its key and the CA that signs the peers': TLS for clients and, in a cluster, for
+    routes (both ends verified)."""
+
+    cert: Path
+    key: Path
+    ca: Path
+
+    def block(self, verify: bool) -> str:
+        return (f"tls {{\n  cert_file: \"{self.cert}\"\n  key_file: \"{self.key}\"\n  ca_file: \"{self.ca}\"\n"
+                f"  verify: {'true' if verify else 'false'}\n  timeout: 5\n}}\n")
+
+
 class NatsServer:
-    """A nats-server child process on a loopback port with JetStream storage in ``store_dir``."""
+    """A nats-server child process on a loopback port with JetStream storage in ``store_dir``; listens on
+    127.0.0.1 only (clients, routes and monitoring alike). ``include`` adds a config file such as
+    deploy/nats/auth.conf (accounts and users)."""
 
     def __init__(self, store_dir: str | os.PathLike[str], *, port: int | None = None, max_payload_mb: int = 8,
                  log_file: str | os.PathLike[str] | None = None, server_name: str | None = None,
-                 routes: Routes | None = None, monitor_port: int | None = None) -> None:
+                 routes: Routes | None = None, monitor_port: int | None = None, tls: Tls | None = None,
+                 include: str | os.PathLike[str] | None = None, tags: tuple[str, ...] = ()) -> None:
         self.store_dir = Path(store_dir)
         self.port = port or free_port()
         self.max_payload_mb = max_payload_mb
@@ -63,11 +80,14 @@ class NatsServer:
         self.server_name = server_name
         self.routes = routes
         self.monitor_port = monitor_port  # the HTTP monitoring endpoint (/connz, /jsz), when set
+        self.tls = tls
+        self.tags = tags  # server_tags, for JetStream placement (nats.placement_tags)
+        self.include = Path(include).resolve() if include is not None else None
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"nats://127.0.0.1:{self.port}"
+        return f"{'tls' if self.tls else 'nats'}://127.0.0.1:{self.port}"
 
     def config_text(self) -> str:
         text = (f"listen: 127.0.0.1:{self.port}\n"
@@ -75,18 +95,27 @@ class NatsServer:
                 f"jetstream {{\n  store_dir: \"{self.store_dir / 'jetstream'}\"\n}}\n")
         if self.server_name:
             text += f"server_name: {self.server_name}\n"
+        if self.tags:
+            text += f"server_tags: [{', '.join(self.tags)}]\n"
         if self.monitor_port:
             text += f"http: 127.0.0.1:{self.monitor_port}\n"
         if self.routes is not None:
             routes = ", ".join(f"nats-route://127.0.0.1:{p}" for p in self.routes.ports if p != self.routes.port)
+            route_tls = "  " + self.tls.block(verify=True).rstrip().replace("\n", "\n  ") + "\n" if self.tls else ""
             text += (f"cluster {{\n  name: {self.routes.name}\n  listen: 127.0.0.1:{self.routes.port}\n"
-                     f"  routes: [{routes}]\n}}\n")
+                     f"  routes: [{routes}]\n{route_tls}}}\n")
+        if self.tls is not None:
+            text += self.tls.block(verify=False)
+        if self.include is not None:
+            text += f"include \"{self.include.name}\"\n"  # nats-server includes relative to the config only
         return text
 
     def start(self, timeout_s: float = 10.0) -> NatsServer:
         self.store_dir.mkdir(parents=True, exist_ok=True)
         conf = self.store_dir / "nats-server.conf"
         conf.write_text(self.config_text())
+        if self.include is not None:
+            shutil.copyfile(self.include, self.store_dir / self.include.name)
         log = open(self.log_file, "ab")  # noqa: SIM115 - closed in stop()
         self._log = log
         self.proc = subprocess.Popen([nats_server_binary(), "-c", str(conf)], stdout=log, stderr=log,
@@ -149,13 +178,17 @@ class NatsCluster:
     size: int = 3
     max_payload_mb: int = 8
     nodes: list[NatsServer] = field(default_factory=list)
+    tls: Tls | None = None  # TLS for clients and routes
+    include: Path | None = None  # an authorization config (deploy/nats/auth.conf) on every node
+    tags: tuple[str, ...] = ()  # server_tags of every node
 
     def __post_init__(self) -> None:
         self.store_dir = Path(self.store_dir)
         route_ports = tuple(free_port() for _ in range(self.size))
         self.nodes = [
             NatsServer(self.store_dir / f"n{i}", max_payload_mb=self.max_payload_mb, server_name=f"n{i}",
-                       routes=Routes("chorus", route_ports[i], route_ports))
+                       routes=Routes("chorus", route_ports[i], route_ports), tls=self.tls, include=self.include,
+                       tags=self.tags)
             for i in range(self.size)
         ]
 

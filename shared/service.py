@@ -31,6 +31,7 @@ from pydantic import BaseModel
 from shared.bus import BrokerUnreachable, connect, ensure_run
 from shared.codec import DecodeError, decode, encode_json
 from shared.config import ChorusConfig, ConfigError, load_config
+from shared.credentials import describe
 from shared.logs import setup_logging
 from shared.peers import PeerWatch
 from shared.runstate import run_finished
@@ -119,7 +120,8 @@ class Service:
             try:
                 if getattr(self, "nc", None) is None or self.nc.is_closed:
                     self.nc = await connect(self.nats_url, self.client_name,
-                                            timeout_s=self.cfg.nats.connect_timeout_s)
+                                            timeout_s=self.cfg.nats.connect_timeout_s, nats_cfg=self.cfg.nats,
+                                            kind=self.name, on_denied=self._on_denied)
                 self.js = self.nc.jetstream(timeout=10.0)
                 self.kv, self.obj = await ensure_run(self.js, self.cfg)
                 return
@@ -132,6 +134,11 @@ class Service:
                 self.log.warning("broker not ready; retrying", error=f"{type(exc).__name__}: {exc}", wait_s=wait)
                 await asyncio.sleep(wait)
                 wait = min(5.0, wait * 2)
+
+    def _on_denied(self, operation: str, subject: str) -> None:
+        """The server refused a publish or a subscription of this kind's credentials (bus.connect logged it)."""
+        self.counters["permission_denied"] += 1
+        self.counters[f"permission_denied_{operation}"] += 1
 
     async def start(self) -> None:
         await self._connect()
@@ -153,7 +160,7 @@ class Service:
         self.spawn(self._metrics_loop(), "metrics")
         if self.exit_when_done:
             self.spawn(self._done_loop(), "exit-when-done")
-        self.log.info("service started", nats=self.nats_url)
+        self.log.info("service started", nats=self.nats_url, auth=describe(self.cfg.nats, self.name))
 
     def stop(self, code: int = 0) -> None:
         """Ask the service to drain and exit."""

@@ -24,6 +24,25 @@ LISTENS: dict[str, tuple[str, ...]] = {
     "paramsync": ("sync_announce", "status"),
     "actions": ("actions_submit", "status"),
 }
+# The subjects each service kind publishes on (core NATS, JetStream, requests), by the Names method that builds them;
+# every kind also publishes its own OWN subjects and probes the status endpoint of any service (its peers). With
+# LISTENS and the KV keys of KV_WRITES, shared/natsauth.py derives each kind's permissions (deploy/nats/auth.conf).
+PUBLISHES: dict[str, tuple[str, ...]] = {
+    "coordinator": ("traj", "gen", "gen_direct", "rollout_control", "actions_submit"),
+    "rollouter": ("rollout_load", "weights_meta", "weights_pull"),
+    "mq": ("depth", "ready"),
+    "trainer": ("sync_announce",),
+    "paramsync": ("sync_done", "rollout_control"),
+    "actions": (),
+}
+OWN = ("metrics", "events", "dlq")
+# The run's KV keys each kind writes (puts, compare-and-swaps, deletes), by the Names method that builds them.
+KV_WRITES: dict[str, tuple[str, ...]] = {
+    "trainer": ("trained_key", "weights_key"),
+    "paramsync": ("version_key", "sync_key", "rollouter_key"),
+    "rollouter": ("rollouter_key",),
+}
+OBJECT_WRITERS = ("trainer",)  # weights and committed state go into the run's object store
 # Subjects no service subscribes to: what services publish for people and tools to watch, and the general
 # builders the subjects above are made with.
 WATCHED_ONLY = ("metrics", "metrics_all", "metrics_every_run", "events", "events_all", "dlq", "srv_ping")
@@ -49,6 +68,13 @@ class Names:
 
     def __post_init__(self) -> None:
         check_token(self.run, "run id")
+
+    @classmethod
+    def any_run(cls) -> Names:
+        """Names whose run id is the wildcard ``*``: subject patterns matching every run (for permissions)."""
+        names = object.__new__(cls)
+        object.__setattr__(names, "run", "*")
+        return names
 
     @property
     def prefix(self) -> str:

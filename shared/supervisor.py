@@ -23,6 +23,7 @@ from typing import Any
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
 from nats.js.kv import KeyValue
 from rich.console import Console
 from rich.live import Live
@@ -34,7 +35,8 @@ from shared.config import ChorusConfig, ConfigError, load_config
 from shared.natsserver import NatsServer
 from shared.plotting import eval_table_rows, load_evals, plot_run, plot_training, summarize
 from shared.progress import ProgressView, RunTracker
-from shared.service import EX_RUN_FAILED
+from shared.runbus import run_exists
+from shared.service import EX_RUN_FAILED, START_WAIT_S
 from shared.subjects import Names
 
 STOP_GRACE_S = 20.0
@@ -254,10 +256,12 @@ class Restarts:
         return keys
 
 
-def resolve_run(config_path: Path) -> ChorusConfig:
-    """Load the config with a unique run id (``<run.id>-<YYYYmmdd-HHMMSS>``) and an absolute run dir."""
+def resolve_run(config_path: Path, run_id: str | None = None) -> ChorusConfig:
+    """Load the config with a unique run id (``<run.id>-<YYYYmmdd-HHMMSS>``, or ``run_id`` as given) and an
+    absolute run dir."""
     base = load_config(config_path)
-    overrides = {"CHORUS_RUN__ID": unique_run_id(base.run.id), "CHORUS_RUN__DIR": str(base.run.dir.resolve())}
+    overrides = {"CHORUS_RUN__ID": run_id or unique_run_id(base.run.id),
+                 "CHORUS_RUN__DIR": str(base.run.dir.resolve())}
     with env_override(**overrides):
         return load_config(config_path)
 
@@ -291,17 +295,19 @@ def _port_free(port: int) -> bool:
 
 
 def child_env(cfg: ChorusConfig) -> dict[str, str]:
-    """Environment of every service: the resolved run id and dir win over anything in the YAML."""
+    """Environment of every service: the resolved run id and dir win over anything in the YAML; the NATS secrets
+    that config.yaml leaves out (nats.password, nats.token) are passed here."""
     root = str(Path(__file__).resolve().parents[1])
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
-    return {**os.environ, "CHORUS_RUN__ID": cfg.run.id, "CHORUS_RUN__DIR": str(cfg.run.dir),
+    return {**os.environ, **cfg.secret_env(), "CHORUS_RUN__ID": cfg.run.id, "CHORUS_RUN__DIR": str(cfg.run.dir),
             "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
 
 
 async def run_up(config_path: Path | None, *, timeout_s: float | None = None, console: Console | None = None,
-                 resume: Path | None = None) -> int:
-    """Run a whole config to ``train.max_versions``, or continue the run in directory ``resume``.
-    Exit code: 0 done, 1 failure/timeout, 130 interrupted."""
+                 resume: Path | None = None, run_id: str | None = None) -> int:
+    """Run a whole config to ``train.max_versions``, or continue the run in directory ``resume``. A new run whose
+    id already has streams or buckets on the server is refused (exit 1): resume it, or ``chorus clean`` it.
+    Exit code: 0 done, 1 failure/timeout/refused, 130 interrupted."""
     console = console or Console()
     embedded = False
     if resume is not None:
@@ -309,7 +315,7 @@ async def run_up(config_path: Path | None, *, timeout_s: float | None = None, co
         console.print(f"resuming run [bold]{cfg.run.id}[/] in {cfg.run_dir}")
     else:
         assert config_path is not None
-        cfg = resolve_run(config_path)
+        cfg = resolve_run(config_path, run_id)
         embedded = not cfg.nats.url
         console.print(f"run [bold]{cfg.run.id}[/] in {cfg.run_dir}")
     names = Names(cfg.run.id)
@@ -325,8 +331,7 @@ async def run_up(config_path: Path | None, *, timeout_s: float | None = None, co
         url = server.url
         console.print(f"embedded nats-server at {url} (log {server.log_file})")
     cfg.nats.url = url  # so that `chorus status --config <run_dir>/config.yaml` finds the live run
-    config_file = run_dir / "config.yaml"
-    config_file.write_text(cfg.dump_yaml())
+    config_file = run_dir / "config.yaml"  # written once the run id is known to be new (or resumed)
 
     sup = Supervisor(run_dir / "logs", env=child_env(cfg))
     loop = asyncio.get_running_loop()
@@ -343,7 +348,15 @@ async def run_up(config_path: Path | None, *, timeout_s: float | None = None, co
     tracker: RunTracker | None = None
     code = 1
     try:
-        nc = await connect(url, "chorus-up", timeout_s=cfg.nats.connect_timeout_s)
+        nc = await connect(url, "chorus-up", timeout_s=cfg.nats.connect_timeout_s, nats_cfg=cfg.nats,
+                           kind="supervisor")
+        if resume is None and await _run_exists(nc, cfg.run.id):
+            # a new run never inherits another's KV versions, streams or objects
+            console.print(f"[red]run {cfg.run.id} already exists on the NATS server at {url}: continue it with "
+                          f"`chorus up --resume {run_dir}`, or remove it first with `chorus clean {cfg.run.id} "
+                          f"--config {config_path}`")
+            return 1
+        config_file.write_text(cfg.dump_yaml())
         kv, _ = await ensure_run(nc.jetstream(timeout=10.0), cfg)  # before any child: no creation races
         tracker = RunTracker.for_models(list(cfg.models), cfg.train.max_versions)
 
@@ -388,6 +401,19 @@ async def run_up(config_path: Path | None, *, timeout_s: float | None = None, co
         for line in tracker.sample_lines():
             console.print(line)
     return code
+
+
+async def _run_exists(nc: NATS, run: str) -> bool:
+    """Whether the server holds anything of ``run``, asked until JetStream answers (a cluster that just started
+    is still electing its meta leader) for up to ``START_WAIT_S``."""
+    deadline = time.monotonic() + START_WAIT_S
+    while True:
+        try:
+            return await run_exists(nc.jetstream(timeout=5.0), run)
+        except (NatsError, TimeoutError):
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(1.0)
 
 
 async def _await_last_eval(evals: list[dict[str, Any]], timeout_s: float, stop: asyncio.Event,

@@ -37,7 +37,10 @@ chown chorus:chorus "$PREFIX/runs"
 chmod 0750 "$PREFIX/runs"
 
 [ -e "$ETC/chorus.env" ] || install -m 0644 "$SRC/deploy/systemd/chorus.env" "$ETC/chorus.env"
-[ -e "$ETC/nats-server.conf" ] || install -m 0644 "$SRC/deploy/nats-server.conf" "$ETC/nats-server.conf"
+# deploy/nats/: single.conf (one node) and nats-<i>.conf (three nodes) with cluster.conf and the generated auth.conf;
+# /etc/chorus/nats-server.conf names the one this node runs (single.conf unless it exists already)
+[ -d "$ETC/nats" ] || cp -r "$SRC/deploy/nats" "$ETC/nats"
+[ -e "$ETC/nats-server.conf" ] || ln -s "$ETC/nats/single.conf" "$ETC/nats-server.conf"
 
 for unit in "$SRC"/deploy/systemd/*.service "$SRC"/deploy/systemd/*.socket; do
     install -m 0644 "$unit" "$UNITS/"

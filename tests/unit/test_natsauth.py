@@ -1,0 +1,86 @@
+"""The least-privilege permissions derived from shared/subjects.py, and the shipped authorization config."""
+
+from __future__ import annotations
+
+import pytest
+
+from shared.credentials import KINDS
+from shared.natsauth import auth_conf, permissions
+from shared.subjects import LISTENS, PUBLISHES, SERVICES, Names
+from tests.conftest import ROOT
+
+N = Names("r1")
+
+
+def matches(pattern: str, subject: str) -> bool:
+    """NATS subject matching: ``*`` one token, ``>`` one or more at the end."""
+    p, s = pattern.split("."), subject.split(".")
+    for i, token in enumerate(p):
+        if token == ">":
+            return len(s) > i
+        if i >= len(s) or (token != "*" and token != s[i]):
+            return False
+    return len(p) == len(s)
+
+
+def may_publish(kind: str, subject: str) -> bool:
+    return any(matches(p, subject) for p in permissions(kind).publish)
+
+
+def may_subscribe(kind: str, subject: str) -> bool:
+    return any(matches(p, subject) for p in permissions(kind).subscribe)
+
+
+def test_shipped_auth_conf_is_the_generated_one():
+    shipped = (ROOT / "deploy" / "nats" / "auth.conf").read_text()
+    assert shipped == auth_conf(), "deploy/nats/auth.conf is stale: run `chorus nats-auth --out deploy/nats/auth.conf`"
+
+
+def test_auth_conf_holds_no_literal_password():
+    text = auth_conf()
+    passwords = [line.split(":", 1)[1].strip() for line in text.splitlines() if line.strip().startswith("password:")]
+    assert len(passwords) == len(KINDS)
+    assert all(p.startswith("$CHORUS_NATS_PASSWORD_") for p in passwords)
+
+
+def test_the_trainer_may_not_publish_on_other_kinds_subjects():
+    assert may_publish("trainer", N.sync_announce("m"))
+    assert may_publish("trainer", "$KV.chorus_r1.trained.m")
+    for subject in (N.traj("m"), N.ready("m"), N.gen("m"), N.sync_done("m"), N.depth("m"), N.actions_submit(),
+                    N.events("coordinator"), N.metrics("mq", "m-0"), N.dlq("rollouter"), "$KV.chorus_r1.version.m",
+                    "$KV.chorus_r1.rollouter.m.0", "$JS.API.STREAM.DELETE.CHORUS_R1_EVENTS", "chorus.r1.anything"):
+        assert not may_publish("trainer", subject), subject
+
+
+def test_each_published_subject_is_allowed_to_its_kinds_only():
+    for methods in PUBLISHES.values():
+        for method in methods:
+            fn = getattr(N, method)
+            subject = fn(*["m", "0", "pause"][: fn.__code__.co_argcount - 1])
+            publishers = {k for k in SERVICES if may_publish(k, subject)}
+            assert publishers == {k for k, ms in PUBLISHES.items() if method in ms}, (method, publishers)
+
+
+def test_each_kind_listens_on_its_subjects_and_inbox_only():
+    for kind, methods in LISTENS.items():
+        for method in methods:
+            fn = getattr(N, method)
+            args = {"status": (kind, "m", "0")}.get(method, ("m", "0", "pause")[: fn.__code__.co_argcount - 1])
+            subject = fn(*args)
+            listeners = {kind} if method == "status" else {k for k, ms in LISTENS.items() if method in ms}
+            assert {k for k in SERVICES if may_subscribe(k, subject)} == listeners, subject
+    for kind in KINDS:
+        assert may_subscribe(kind, f"_INBOX.{kind}.abc.1")
+        assert not any(may_subscribe(kind, f"_INBOX.{other}.abc") for other in KINDS if other != kind)
+        assert not may_subscribe(kind, "_INBOX.abc")
+
+
+@pytest.mark.parametrize("kind", ["observer", "supervisor"])
+def test_tools_read_and_only_admin_deletes(kind):
+    assert may_subscribe(kind, N.metrics("trainer", "m-0")) and may_subscribe(kind, N.events("mq"))
+    assert may_publish(kind, "$JS.API.STREAM.INFO.CHORUS_R1_EVENTS")
+    assert not may_publish(kind, "$JS.API.STREAM.DELETE.CHORUS_R1_EVENTS")
+    assert not may_publish(kind, N.traj("m")) and not may_publish(kind, "$KV.chorus_r1.trained.m")
+    assert may_publish("admin", "$JS.API.STREAM.DELETE.CHORUS_R1_EVENTS")
+    assert may_publish("supervisor", "$JS.API.STREAM.CREATE.CHORUS_R1_EVENTS")
+    assert not may_publish("observer", "$JS.API.STREAM.CREATE.CHORUS_R1_EVENTS")
