@@ -254,9 +254,12 @@ Path("pids").mkdir(exist_ok=True)
 Path("pids", f"{os.getpid()}").write_text(cfg.run.id)
 async def finish() -> None:
     from shared.supervisor import plan_services
+    # every service of the run is up before the run finishes; not the coordinator: `chorus up` starts it once
+    # every other service answers a ping, which stand-ins never do
+    others = [s for s in plan_services(cfg) if s.service != "coordinator"]
     deadline = time.monotonic() + 30
-    while len(list(Path("pids").iterdir())) < len(plan_services(cfg)) and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)  # every service of the run is up before the run finishes
+    while len(list(Path("pids").iterdir())) < len(others) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
     nc = await nats.connect(args.nats)
     kv = await nc.jetstream().key_value(Names(cfg.run.id).kv_bucket)
     with open(cfg.run_dir / "metrics.jsonl", "a") as fh:
