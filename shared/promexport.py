@@ -17,6 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from shared.tracking import scalars
+
 PREFIX = "chorus_"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LABELS = ("run", "service", "model", "instance")
@@ -27,18 +29,6 @@ def metric_name(path: str) -> str:
     """``counters/dropped_stale`` -> ``chorus_counters_dropped_stale`` (a valid Prometheus metric name)."""
     name = _BAD.sub("_", path)
     return PREFIX + re.sub(r"_+", "_", name).strip("_")
-
-
-def flatten(payload: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
-    """Numeric leaves of a metrics message by their dotted path; booleans, strings, lists and None left out."""
-    out: dict[str, float] = {}
-    for key, value in payload.items():
-        path = f"{prefix}{key}"
-        if isinstance(value, Mapping):
-            out.update(flatten(value, f"{path}."))
-        elif isinstance(value, int | float) and not isinstance(value, bool):
-            out[path] = float(value)
-    return out
 
 
 def _label(value: str) -> str:
@@ -55,7 +45,7 @@ def _value(v: float) -> str:
 
 @dataclass
 class Latest:
-    """The last metrics message of every (run, service, model, instance), flattened."""
+    """The last metrics message of every (run, service, model, instance), its numeric leaves by dotted path."""
 
     values: dict[tuple[str, ...], dict[str, float]] = field(default_factory=dict)
     seen: dict[tuple[str, ...], float] = field(default_factory=dict)
@@ -74,7 +64,7 @@ class Latest:
         self.messages += 1
         labels = (str(payload.get("run") or parts[1]), str(payload.get("service") or parts[3]),
                   str(payload.get("model") or ""), str(payload.get("instance") or parts[4]))
-        self.values[labels] = flatten({k: v for k, v in payload.items() if k not in LABELS})
+        self.values[labels] = scalars({k: v for k, v in payload.items() if k not in LABELS}, sep=".")
         self.seen[labels] = time.time()
         return True
 

@@ -25,14 +25,14 @@ WANDB_URL = "https://api.wandb.ai"
 PROBE_TIMEOUT_S = 2.0
 
 
-def scalars(record: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
-    """The numeric fields of a record, nested dicts flattened (``adapter_samples/sol``); booleans, strings and
-    lists are left out."""
+def scalars(record: Mapping[str, Any], prefix: str = "", sep: str = "/") -> dict[str, float]:
+    """The numeric fields of a record, nested dicts flattened with ``sep`` (``adapter_samples/sol``); booleans,
+    strings, lists and None are left out."""
     out: dict[str, float] = {}
     for key, value in record.items():
         name = f"{prefix}{key}"
         if isinstance(value, Mapping):
-            out.update(scalars(value, f"{name}/"))
+            out.update(scalars(value, f"{name}{sep}", sep))
         elif isinstance(value, int | float) and not isinstance(value, bool):
             out[name] = float(value)
     return out

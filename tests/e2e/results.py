@@ -84,14 +84,15 @@ async def prometheus_exporter(nats_url: str) -> AsyncIterator[Callable[[], Await
 def assert_served(samples: dict[tuple[str, frozenset[tuple[str, str]]], float],
                   last: dict[str, dict[str, Any]]) -> int:
     """Every numeric field of the last metrics message of every instance is served with its value; the count."""
-    from shared.promexport import flatten, metric_name
+    from shared.promexport import metric_name
+    from shared.tracking import scalars
 
     checked = 0
     for payload in last.values():
         labels = frozenset({"run": payload["run"], "service": payload["service"], "model": payload["model"] or "",
                             "instance": payload["instance"]}.items())
-        for path, value in flatten({k: v for k, v in payload.items()
-                                    if k not in ("run", "service", "model", "instance")}).items():
+        for path, value in scalars({k: v for k, v in payload.items()
+                                    if k not in ("run", "service", "model", "instance")}, sep=".").items():
             key = (metric_name(path), labels)
             assert key in samples, f"{key} not served"
             assert samples[key] == value or abs(samples[key] - value) <= 1e-9 * abs(value), (key, samples[key], value)
