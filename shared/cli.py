@@ -293,17 +293,17 @@ async def _status(cfg: ChorusConfig, url: str) -> RenderableType:
 
 async def _run_state_line(cfg: ChorusConfig, kv: Any) -> str:
     """Whether the run has finished, from its KV bucket (the trainers' trained versions, the final evaluation)."""
-    from shared.runstate import final_eval_written, run_finished, trained_versions
+    from shared.runstate import run_state
 
     if kv is None:
         return f"run {cfg.run.id}: not started on this server (no KV bucket)"
-    if await run_finished(kv, cfg):
+    state = await run_state(kv, cfg)
+    if state.finished:
         return (f"[green]run {cfg.run.id} finished[/]: every model reached train.max_versions "
                 f"({cfg.train.max_versions})" + (" and the final weights were evaluated" if cfg.eval.every else ""))
-    trained = await trained_versions(kv, cfg)
-    left = ", ".join(f"{m} {v}/{cfg.train.max_versions}" for m, v in sorted(trained.items()))
-    if all(v >= cfg.train.max_versions for v in trained.values()) and not await final_eval_written(kv):
+    if state.all_trained:
         return f"run {cfg.run.id} in progress: every model is trained; waiting for the final evaluation"
+    left = ", ".join(f"{m} {v}/{cfg.train.max_versions}" for m, v in sorted(state.trained.items()))
     return f"run {cfg.run.id} in progress: trained versions {left}"
 
 

@@ -3,12 +3,25 @@ started with ``--exit-when-done`` ask."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 
 from shared.bus import kv_get_int
 from shared.config import ChorusConfig
 from shared.subjects import Names
+
+
+@dataclass(frozen=True)
+class RunState:
+    trained: dict[str, int]  # the committed version of every model (0 before its first step)
+    all_trained: bool  # every model reached train.max_versions
+    evaluated: bool  # the final weights were evaluated, or the run does not evaluate (no eval.every)
+
+    @property
+    def finished(self) -> bool:
+        return self.all_trained and self.evaluated
 
 
 async def trained_versions(kv: KeyValue, cfg: ChorusConfig) -> dict[str, int]:
@@ -24,10 +37,15 @@ async def final_eval_written(kv: KeyValue) -> bool:
     return bool(entry.value)
 
 
-async def run_finished(kv: KeyValue, cfg: ChorusConfig) -> bool:
-    """Every model reached ``train.max_versions`` (the trainers' ``trained.<model>`` keys) and, when the run
-    evaluates (``eval.every``), the coordinator wrote its evaluation of the final weights."""
+async def run_state(kv: KeyValue, cfg: ChorusConfig) -> RunState:
+    """The trainers' ``trained.<model>`` keys and, once every model reached ``train.max_versions`` in a run that
+    evaluates (``eval.every``), whether the coordinator wrote its evaluation of the final weights."""
     trained = await trained_versions(kv, cfg)
-    if any(v < cfg.train.max_versions for v in trained.values()):
-        return False
-    return not cfg.eval.every or await final_eval_written(kv)
+    all_trained = all(v >= cfg.train.max_versions for v in trained.values())
+    evaluated = not cfg.eval.every or (all_trained and await final_eval_written(kv))
+    return RunState(trained, all_trained, evaluated)
+
+
+async def run_finished(kv: KeyValue, cfg: ChorusConfig) -> bool:
+    """Every model reached ``train.max_versions`` and, when the run evaluates, its final weights were evaluated."""
+    return (await run_state(kv, cfg)).finished
