@@ -28,6 +28,9 @@ err = Console(stderr=True)
 ConfigOpt = Annotated[Path, typer.Option("--config", "-c", help="run config YAML")]
 NatsOpt = Annotated[str | None, typer.Option("--nats", help="NATS URL (overrides nats.url)")]
 RunOpt = Annotated[str | None, typer.Option("--run", help="run id (default: run.id of the config)")]
+ServiceArg = Annotated[str, typer.Argument(help=f"one of {', '.join(SERVICES)}")]
+ModelOpt = Annotated[str | None, typer.Option("--model", help="model (per-model services)")]
+InstanceOpt = Annotated[str, typer.Option("--instance", help="instance id")]
 
 
 def package_version() -> str:
@@ -75,11 +78,11 @@ def _url(cfg: ChorusConfig, nats: str | None) -> str:
 
 @app.command(context_settings={"allow_extra_args": False})
 def serve(
-    service: Annotated[str, typer.Argument(help=f"one of {', '.join(SERVICES)}")],
+    service: ServiceArg,
     config: ConfigOpt,
     nats: NatsOpt = None,
-    model: Annotated[str | None, typer.Option("--model", help="model (per-model services)")] = None,
-    instance: Annotated[str, typer.Option("--instance", help="instance id")] = "0",
+    model: ModelOpt = None,
+    instance: InstanceOpt = "0",
     exit_when_done: Annotated[bool, typer.Option(
         "--exit-when-done", envvar="CHORUS_EXIT_WHEN_DONE",
         help="exit 0 once every model of the run reached train.max_versions (containers, Jobs)")] = False,
@@ -136,19 +139,17 @@ def new_run(
 
 @app.command()
 def health(
-    service: Annotated[str, typer.Argument(help=f"one of {', '.join(SERVICES)}")],
+    service: ServiceArg,
     config: ConfigOpt,
     nats: NatsOpt = None,
-    model: Annotated[str | None, typer.Option("--model", help="model (per-model services)")] = None,
-    instance: Annotated[str, typer.Option("--instance", help="instance id")] = "0",
+    model: ModelOpt = None,
+    instance: InstanceOpt = "0",
     run: RunOpt = None,
     run_file: Annotated[Path | None, typer.Option("--run-file", help="read the run id from this file")] = None,
     timeout: Annotated[float, typer.Option("--timeout", help="seconds to wait for the answer")] = 3.0,
 ) -> None:
     """Exit 0 if this service instance answers its NATS micro-service ping, else 1 with the reason (a probe for
     containers, Kubernetes and scripts). Without --run/--run-file any run made from the config's run.id counts."""
-    import asyncio as _asyncio
-
     from shared.deploy import probe, read_run_file
 
     if service not in SERVICES:
@@ -166,7 +167,7 @@ def health(
             raise typer.Exit(1)
     url = _url(cfg, nats)
     setup_logging(json=False, level="CRITICAL")  # the one line below is the output, not reconnect chatter
-    ok, reason = _asyncio.run(probe(url, service, model=model, instance=instance, run=run,
+    ok, reason = asyncio.run(probe(url, service, model=model, instance=instance, run=run,
                                     base=cfg.run.id, timeout_s=timeout,
                                     connect_timeout_s=min(timeout, cfg.nats.connect_timeout_s), nats_cfg=cfg.nats))
     (console if ok else err).print(("healthy: " if ok else "unhealthy: ") + reason, highlight=False, soft_wrap=True)

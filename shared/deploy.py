@@ -22,10 +22,14 @@ from shared.subjects import Names, check_token
 RUN_FILE_POLL_S = 0.2
 
 
+def unique_run_id(base: str, now: float | None = None) -> str:
+    """``<base>-YYYYmmdd-HHMMSS``: the run id `chorus up` makes from ``run.id``."""
+    return f"{base}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(now))}"
+
+
 def new_run_id(base: str, now: float | None = None) -> str:
     """``<base>-YYYYmmdd-HHMMSS-<4 hex>``: unique per deployment even when two start in the same second."""
-    return check_token(f"{base}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(now))}-{secrets.token_hex(2)}",
-                       "run id")
+    return check_token(f"{unique_run_id(base, now)}-{secrets.token_hex(2)}", "run id")
 
 
 def write_run_file(path: Path, run_id: str) -> None:

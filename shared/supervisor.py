@@ -32,6 +32,7 @@ from rich.table import Table
 from shared.bus import connect, ensure_run, kv_get_int
 from shared.codec import DecodeError, decode_json
 from shared.config import ChorusConfig, ConfigError, load_config
+from shared.deploy import unique_run_id
 from shared.natsserver import NatsServer
 from shared.plotting import eval_table_rows, load_evals, plot_run, plot_training, summarize
 from shared.progress import ProgressView, RunTracker
@@ -200,10 +201,6 @@ def env_override(**values: str) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-
-
-def unique_run_id(base: str, now: float | None = None) -> str:
-    return f"{base}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(now))}"
 
 
 async def ping_run(nc: NATS, run: str, service: str | None = None, window_s: float = 0.5) -> list[dict[str, Any]]:
