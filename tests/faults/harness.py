@@ -148,12 +148,10 @@ class FaultRun:
 
     # --- faults ---------------------------------------------------------------------------
     async def _inject(self, fault: Fault) -> None:
-        if fault.target == "rollouter":  # hit one with requests in flight: they must run again elsewhere
-            fault.instance = await self._busy_instance(fault.model)
-        before = await self.ledger.trained()
-        fault.landed_at = dict(before)
-        self.log.append(f"{time.strftime('%H:%M:%S')} {fault.name} at {before}")
         if fault.target == "nats":
+            before = await self.ledger.trained()  # read while the node is up
+            fault.landed_at = dict(before)
+            self.log.append(f"{time.strftime('%H:%M:%S')} {fault.name} at {before}")
             node = self.broker.nodes[fault.node]
             if fault.action == "kill":
                 node.kill()
@@ -165,17 +163,23 @@ class FaultRun:
                 await asyncio.sleep(fault.down_s)
                 node.signal(signal.SIGCONT)
         else:
+            if fault.target == "rollouter":  # hit one with requests in flight: they must run again elsewhere
+                fault.instance = await self._busy_instance(fault.model)  # signalled the moment it is seen busy
             key = self._key(fault)
             child = self.cluster.sup.children[key]
             if fault.action == "kill":
                 self.intended.add(key)
-                child.popen.send_signal(signal.SIGKILL)
+            child.popen.send_signal(signal.SIGKILL if fault.action == "kill" else signal.SIGSTOP)
+            # the versions trained when it landed (the broker is up: read after the signal, not before a wait)
+            before = await self.ledger.trained()
+            fault.landed_at = dict(before)
+            self.log.append(f"{time.strftime('%H:%M:%S')} {fault.name} at {before}")
+            if fault.action == "kill":
                 await asyncio.to_thread(child.popen.wait)
                 await asyncio.sleep(fault.down_s)
                 self._start(key)
                 self.intended.discard(key)
             else:
-                child.popen.send_signal(signal.SIGSTOP)
                 await asyncio.sleep(fault.down_s)
                 child.popen.send_signal(signal.SIGCONT)
         fault.ended_at = time.time()
