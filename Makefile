@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml
 
 # A CPU install pulls no CUDA library: fails naming any nvidia-*, cuda-* or *-cu1x distribution in the venv.
 check-cpu-deps:
-	$(BIN)/python -m shared.depcheck $(VENV_EXTRAS)
+	$(BIN)/python -m shared.launcher.depcheck $(VENV_EXTRAS)
 
 # Weight sync over UCX (paramsync.transport ucx): the ucx extra pulls ucxx-cu12 and its CUDA-built libraries.
 venv-ucx: venv
@@ -44,7 +44,7 @@ test-ucx: venv-ucx
 
 # docs/reference/ from the code (config keys, subjects, messages, events, metrics); a test fails when it is stale.
 docs: venv
-	$(BIN)/python -m shared.refdocs
+	$(BIN)/python -m shared.launcher.refdocs
 
 # The tests that need a GPU (marked cuda; `make test` deselects them). They fail, not skip, without CUDA.
 test-cuda: venv
@@ -63,6 +63,7 @@ soak: venv
 
 lint: venv
 	$(BIN)/ruff check shared services tests loadtests
+	$(BIN)/lint-imports --no-cache
 
 bench: venv
 	$(BIN)/python loadtests/bus_throughput.py

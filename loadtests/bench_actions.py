@@ -32,7 +32,7 @@ POLICIES = ("static", "fixed-4", "fixed-16", "elastic")
 
 
 def main() -> None:
-    from shared.logs import setup_logging
+    from shared.kernel.logs import setup_logging
 
     setup_logging(level="ERROR")  # the service's own logs would bury the figures
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -88,10 +88,10 @@ async def real_once(policy: str, cores: int, trace: list[tuple[float, str, dict[
     import nats
 
     from services.actions.service import ActionsService
-    from shared.codec import decode, encode
-    from shared.config import load_config
-    from shared.natsserver import NatsServer
-    from shared.schemas import ActionRequest, ActionResult
+    from shared.kernel.codec import decode, encode
+    from shared.kernel.config import load_config
+    from shared.kernel.schemas import ActionRequest, ActionResult
+    from shared.launcher.natsserver import NatsServer
 
     with tempfile.TemporaryDirectory() as tmp, NatsServer(Path(tmp) / "nats") as server:
         cfg_path = Path(tmp) / "c.yaml"

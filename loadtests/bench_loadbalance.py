@@ -123,7 +123,7 @@ class Host:
     """What RolloutRouter needs of its service."""
 
     def __init__(self, nc: Any, cfg: Any) -> None:
-        from shared.subjects import Names
+        from shared.kernel.subjects import Names
 
         self.nc, self.js, self.cfg = nc, nc.jetstream(), cfg
         self.names = Names(cfg.run.id)
@@ -145,10 +145,10 @@ async def drive(mode: str, url: str, cfg: Any, work: list[tuple[str, int, list[i
     import structlog
 
     from services.coordinator.routing import RolloutRouter
-    from shared.codec import decode, encode
-    from shared.config import PeersSection
-    from shared.peers import PeerWatch, ReplyMux
-    from shared.schemas import Array, GenRequest, GenResponse
+    from shared.kernel.codec import decode, encode
+    from shared.kernel.config import PeersSection
+    from shared.kernel.peers import PeerWatch, ReplyMux
+    from shared.kernel.schemas import Array, GenRequest, GenResponse
 
     nc = await nats.connect(url)
     host = Host(nc, cfg)
@@ -203,8 +203,8 @@ async def drive(mode: str, url: str, cfg: Any, work: list[tuple[str, int, list[i
 
 async def run_mode(mode: str, work: list[tuple[str, int, list[int]]], concurrency: int, budgets_share: float
                    ) -> dict[str, Any]:
-    from shared.config import load_config
-    from shared.natsserver import NatsServer
+    from shared.kernel.config import load_config
+    from shared.launcher.natsserver import NatsServer
 
     with tempfile.TemporaryDirectory() as tmp, NatsServer(Path(tmp) / "nats") as server:
         path = Path(tmp) / "c.yaml"
@@ -242,8 +242,8 @@ async def run_mode(mode: str, work: list[tuple[str, int, list[int]]], concurrenc
 
 
 async def wait_registered(url: str, cfg: Any) -> None:
-    from shared.bus import kv_keys
-    from shared.subjects import Names
+    from shared.kernel.bus import kv_keys
+    from shared.kernel.subjects import Names
 
     names = Names(cfg.run.id)
     nc = await nats.connect(url)
@@ -266,7 +266,7 @@ async def wait_registered(url: str, cfg: Any) -> None:
 
 
 def main() -> None:
-    from shared.logs import setup_logging
+    from shared.kernel.logs import setup_logging
 
     setup_logging(level="ERROR")
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -30,11 +30,11 @@ import nats
 import psutil
 import yaml
 
-from shared.codec import decode
-from shared.natsserver import NatsServer
-from shared.schemas import Sample, SyncDone
-from shared.subjects import Names
-from shared.supervisor import Supervisor
+from shared.kernel.codec import decode
+from shared.kernel.schemas import Sample, SyncDone
+from shared.kernel.subjects import Names
+from shared.launcher.natsserver import NatsServer
+from shared.launcher.supervisor import Supervisor
 
 ROOT = Path(__file__).resolve().parent.parent
 CHORUS = str(Path(sys.executable).parent / "chorus")

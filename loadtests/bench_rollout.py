@@ -86,7 +86,7 @@ HEADS = 4  # tokens per row compared with the static arm
 # --- workload -------------------------------------------------------------------------------------------
 def demo_config() -> Any:
     """configs/demo.yaml: its cache of the dequantised SmolLM2, its solver prompt and its arithmetic task."""
-    from shared.config import load_config
+    from shared.kernel.config import load_config
 
     return load_config(ROOT / "configs" / "demo.yaml")
 
@@ -248,7 +248,7 @@ def worker(arm_name: str, model_dir: str, core: int) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from shared.models import HFTokenizer
+    from shared.models.loading import HFTokenizer
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
@@ -462,7 +462,7 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from shared.models import HFTokenizer, smollm2_dir
+    from shared.models.loading import HFTokenizer, smollm2_dir
 
     started = time.perf_counter()
     cfg = demo_config()

@@ -57,13 +57,13 @@ import numpy as np
 import psutil
 import torch
 
-from shared.config import ChorusConfig, load_config
-from shared.natsserver import NatsServer
-from shared.subjects import Names
-from shared.weights import bucket_checksum, checksum, combine, flatten, load_into
+from shared.kernel.config import ChorusConfig, load_config
+from shared.kernel.subjects import Names
+from shared.launcher.natsserver import NatsServer
+from shared.models.weights import bucket_checksum, checksum, combine, flatten, load_into
 
 # ucxx sets UCX_MEMTYPE_CACHE, which this UCX no longer knows; without this UCX warns on every start. ucxx is
-# only imported later (by shared.weightsync, in the workers), and spawned workers inherit the environment.
+# only imported later (by shared.models.weightsync, in the workers), and spawned workers inherit the environment.
 os.environ["UCX_WARN_UNUSED_ENV_VARS"] = "n"
 
 MODEL = "m"
@@ -192,7 +192,7 @@ class Sender:
         free()
 
     async def ucx_publish(self, version: int) -> None:
-        from shared.weightsync import UcxSource
+        from shared.models.weightsync import UcxSource
 
         if self.ucx is None:  # one source for the process's life, as in the trainer
             self.ucx = UcxSource(self.cfg, self.names, MODEL, self.nc)
@@ -231,8 +231,8 @@ class Sender:
             self.listener = None
 
     async def nats_publish(self, version: int) -> dict[str, Any]:
-        from shared.bus import ensure_run
-        from shared.weightsync import NatsSource
+        from shared.kernel.bus import ensure_run
+        from shared.models.weightsync import NatsSource
 
         if self.nats_source is None:
             await ensure_run(self.nc.jetstream(), self.cfg)
@@ -293,7 +293,7 @@ class Receiver:
         free()
 
     async def ucx_fetch(self, version: int, timeout_s: float) -> dict[str, float]:
-        from shared.weightsync import UcxSink
+        from shared.models.weightsync import UcxSink
 
         if self.ucx is None:
             self.ucx = UcxSink(self.names, MODEL, "0", self.nc)
@@ -336,7 +336,7 @@ class Receiver:
         free()
 
     async def nats_fetch(self, version: int, name: str, timeout_s: float, expect: str | None) -> float:
-        from shared.weightsync import NatsSink
+        from shared.models.weightsync import NatsSink
 
         if self.nats_sink is None:
             self.nats_sink = NatsSink(self.names, MODEL, "0", self.nc.jetstream())

@@ -21,10 +21,10 @@ import nats
 import numpy as np
 from nats.js import api as jsapi
 
-from shared.bus import ensure_stream, fetch, pull_consumer
-from shared.codec import encode
-from shared.natsserver import NatsServer
-from shared.schemas import Array, Sample
+from shared.kernel.bus import ensure_stream, fetch, pull_consumer
+from shared.kernel.codec import encode
+from shared.kernel.schemas import Array, Sample
+from shared.launcher.natsserver import NatsServer
 
 BATCH = 256
 

@@ -29,9 +29,9 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from shared.bus import kv_get_int, run_consumers  # noqa: E402
-from shared.subjects import Names  # noqa: E402
-from shared.supervisor import descendants  # noqa: E402
+from shared.kernel.bus import kv_get_int, run_consumers  # noqa: E402
+from shared.kernel.subjects import Names  # noqa: E402
+from shared.launcher.supervisor import descendants  # noqa: E402
 
 CHORUS = str(Path(sys.executable).parent / "chorus")
 RSS_LIMIT_PCT = 10.0

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import uvloop
 
-from shared.natsserver import NatsServer
+from shared.launcher.natsserver import NatsServer
 
 ROOT = Path(__file__).resolve().parents[1]
 

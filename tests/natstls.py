@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from shared.natsserver import Tls
+from shared.launcher.natsserver import Tls
 
 
 def _openssl(*args: str) -> None:

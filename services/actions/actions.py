@@ -10,7 +10,7 @@ from contextvars import ContextVar
 from typing import Any
 
 from services.actions.coderun import run_code as run_code_in_child
-from shared.mathanswer import extract_answer, math_equal
+from shared.rlmath.mathanswer import extract_answer, math_equal
 
 Action = Callable[[dict[str, Any]], dict[str, Any]]
 # The pool's timeout for the action being run, set by the worker: actions with their own deadline stay

@@ -11,10 +11,10 @@ from nats.aio.msg import Msg
 from services.actions.actions import REGISTRY
 from services.actions.coderun import isolation
 from services.actions.pool import Outcome, WorkerPool
-from shared.codec import DecodeError, decode, encode
-from shared.peers import accept
-from shared.schemas import ActionRequest, ActionResult
-from shared.service import Service
+from shared.kernel.codec import DecodeError, decode, encode
+from shared.kernel.peers import accept
+from shared.kernel.schemas import ActionRequest, ActionResult
+from shared.kernel.service import Service
 
 QUEUE_GROUP = "actions"
 

@@ -20,7 +20,7 @@ from services.coordinator.tasks import Task
 from services.coordinator.workflows import Act, Generate, Tokenizers, Workflow, run_episode
 from services.coordinator.workflows.episode import Episode
 from services.coordinator.workflows.scoring import plurality
-from shared.config import ChorusConfig
+from shared.kernel.config import ChorusConfig
 
 CORRECT = 1.0 - 1e-9  # a turn counts as correct at full reward
 EVAL_CONCURRENCY = 8  # held-out tasks in flight at once

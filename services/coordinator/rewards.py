@@ -10,7 +10,7 @@ import re
 from collections.abc import Sequence
 from typing import Literal
 
-from shared.mathanswer import extract_answer, math_equal
+from shared.rlmath.mathanswer import extract_answer, math_equal
 
 __all__ = ["extract_answer", "judge_prompt", "math_equal", "math_reward", "parse_judge", "shape"]
 

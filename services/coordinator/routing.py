@@ -25,12 +25,12 @@ from nats.aio.msg import Msg
 from nats.js.client import JetStreamContext
 
 from services.coordinator.balancer import Attempt, Migration, RolloutManager, plan_migrations
-from shared.bus import kv_keys
-from shared.codec import DecodeError, decode, decode_json_as, encode
-from shared.config import ChorusConfig
-from shared.peers import NotAccepted, PeerGone, ReplyMux
-from shared.schemas import LoadReport, RolloutControl, RolloutControlReply
-from shared.subjects import Names
+from shared.kernel.bus import kv_keys
+from shared.kernel.codec import DecodeError, decode, decode_json_as, encode
+from shared.kernel.config import ChorusConfig
+from shared.kernel.peers import NotAccepted, PeerGone, ReplyMux
+from shared.kernel.schemas import LoadReport, RolloutControl, RolloutControlReply
+from shared.kernel.subjects import Names
 
 MAX_LAUNCHES = 8  # attempts of one request, over every instance, before it is given up
 BACKOFF_MAX_S = 2.0

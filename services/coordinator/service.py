@@ -29,15 +29,23 @@ from services.coordinator.workflows import (
     run_episode,
     workflow_of,
 )
-from shared import events
-from shared.bus import kv_get_int
-from shared.codec import DecodeError, decode, decode_json_as, encode
-from shared.config import ChorusConfig
-from shared.logs import append_line
-from shared.peers import NotAccepted, PeerGone, ReplyMux
-from shared.schemas import ActionRequest, ActionResult, Array, DepthReport, GenRequest, GenResponse, SyncDone
-from shared.service import EX_RUN_FAILED, Service
-from shared.tracking import EVAL_TRACKER, Trackers
+from shared.kernel import events
+from shared.kernel.bus import kv_get_int
+from shared.kernel.codec import DecodeError, decode, decode_json_as, encode
+from shared.kernel.config import ChorusConfig
+from shared.kernel.logs import append_line
+from shared.kernel.peers import NotAccepted, PeerGone, ReplyMux
+from shared.kernel.schemas import (
+    ActionRequest,
+    ActionResult,
+    Array,
+    DepthReport,
+    GenRequest,
+    GenResponse,
+    SyncDone,
+)
+from shared.kernel.service import EX_RUN_FAILED, Service
+from shared.results.tracking import EVAL_TRACKER, Trackers
 
 MAX_ATTEMPTS = 8
 PUBLISH_ACK_TIMEOUT_S = 10.0  # a sample's PubAck; then it is sent again
@@ -270,7 +278,7 @@ class CoordinatorService(Service):
         await asyncio.to_thread(append_line, self.cfg.run_dir / "metrics.jsonl", json.dumps(rec, separators=(",", ":")))
         await self._track_eval(rec)
         await self.event(events.EVAL, **{k: v for k, v in rec.items() if k != "kind"})
-        if final:  # with every trained.<model> at max_versions, the run has finished (shared/runstate.py)
+        if final:  # with every trained.<model> at max_versions, the run has finished (shared/kernel/runstate.py)
             await self.retried(lambda: self.kv.put(self.names.eval_final_key(), str(rec["version"]).encode()),
                                "setting eval.final")
 

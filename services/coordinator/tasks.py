@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from shared.config import TaskConfig
+from shared.kernel.config import TaskConfig
 
 MAX_DRAWS = 10_000  # draws without a new question before a task space counts as exhausted
 

@@ -23,8 +23,8 @@ from enum import StrEnum
 from typing import Any, Generic, Literal, TypeVar
 
 from services.mq.table import COLUMNS, Blobs, Row, checked, checked_head, columns_of, head_of
-from shared.config import ChorusConfig
-from shared.schemas import Sample
+from shared.kernel.config import ChorusConfig
+from shared.kernel.schemas import Sample
 
 H = TypeVar("H")
 

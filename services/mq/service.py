@@ -26,13 +26,13 @@ from nats.aio.msg import Msg
 from nats.js.errors import APIError, NotFoundError
 
 from services.mq.experience_store import AddKind, Dropped, ExperienceStore, Policy, Take
-from shared import events
-from shared.bus import fetch, kv_get_int, pull_consumer, stream_seq
-from shared.codec import DecodeError, encode, encode_json
-from shared.models import model_limits
-from shared.schemas import DepthReport, DropEvent, MicroBatch, Sample
-from shared.service import Service
-from shared.validation import sample_problem
+from shared.kernel import events
+from shared.kernel.bus import fetch, kv_get_int, pull_consumer, stream_seq
+from shared.kernel.codec import DecodeError, encode, encode_json
+from shared.kernel.schemas import DepthReport, DropEvent, MicroBatch, Sample
+from shared.kernel.service import Service
+from shared.kernel.validation import sample_problem
+from shared.models.loading import model_limits
 
 FETCH_BATCH = 256
 FETCH_TIMEOUT_S = 0.25

@@ -14,7 +14,7 @@ from typing import Any, Generic, TypeVar
 
 from pydantic import ValidationError
 
-from shared.schemas import Array, Sample
+from shared.kernel.schemas import Array, Sample
 
 H = TypeVar("H")
 

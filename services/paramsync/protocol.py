@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from shared.schemas import WeightsAnnounce
+from shared.kernel.schemas import WeightsAnnounce
 
 
 class AnnounceQueue:

@@ -22,11 +22,11 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.errors import KeyNotFoundError
 
 from services.paramsync.protocol import AnnounceQueue, InstanceResult, decide, instances_from_keys
-from shared.bus import kv_get_int, kv_keys, kv_put_int_max
-from shared.codec import DecodeError, decode, encode
-from shared.peers import PeerGone, request_watched
-from shared.schemas import RolloutControl, RolloutControlReply, SyncDone, WeightsAnnounce
-from shared.service import Service
+from shared.kernel.bus import kv_get_int, kv_keys, kv_put_int_max
+from shared.kernel.codec import DecodeError, decode, encode
+from shared.kernel.peers import PeerGone, request_watched
+from shared.kernel.schemas import RolloutControl, RolloutControlReply, SyncDone, WeightsAnnounce
+from shared.kernel.service import Service
 
 LIST_ATTEMPTS = 3
 RESUME_TIMEOUT_S = 5.0

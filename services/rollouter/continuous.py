@@ -42,8 +42,8 @@ from services.rollouter.engine import (
     peft_adapters,
     tail_has_stop,
 )
-from shared.models import Tokenizer, context_length, shipped_tensors
-from shared.tokenizer import ByteTokenizer
+from shared.models.loading import Tokenizer, context_length, shipped_tensors
+from shared.models.tokenizer import ByteTokenizer
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 LENGTH_STEP = 64  # the pool's length grows in multiples of this

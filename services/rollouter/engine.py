@@ -13,8 +13,8 @@ from typing import Literal
 
 import torch
 
-from shared.models import Tokenizer, context_length, shipped_tensors
-from shared.tokenizer import ByteTokenizer
+from shared.models.loading import Tokenizer, context_length, shipped_tensors
+from shared.models.tokenizer import ByteTokenizer
 
 Finish = Literal["stop", "length"]
 BASE_ADAPTER = "__base__"  # peft's row name for "no adapter" in a mixed-adapter batch

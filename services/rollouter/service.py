@@ -28,13 +28,12 @@ from nats.aio.subscription import Subscription
 from services.rollouter.batcher import Batcher, ContinuousBatcher
 from services.rollouter.continuous import ContinuousEngine, make_engine, support_problem
 from services.rollouter.engine import SamplingParams, TorchEngine, UnknownAdapter
-from shared import events
-from shared.bus import kv_get_int
-from shared.codec import DecodeError, decode, encode, encode_json
-from shared.config import ChorusConfig
-from shared.models import Tokenizer, load_model, load_tokenizer
-from shared.peers import Liveness, accept, probe
-from shared.schemas import (
+from shared.kernel import events
+from shared.kernel.bus import kv_get_int
+from shared.kernel.codec import DecodeError, decode, encode, encode_json
+from shared.kernel.config import ChorusConfig
+from shared.kernel.peers import Liveness, accept, probe
+from shared.kernel.schemas import (
     Array,
     GenOutput,
     GenRequest,
@@ -44,9 +43,10 @@ from shared.schemas import (
     RolloutControlReply,
     WeightsAnnounce,
 )
-from shared.service import Service
-from shared.weights import WeightsHeader, load_into
-from shared.weightsync import TRANSPORTS, WeightSink, make_sink, resolve_transport
+from shared.kernel.service import Service
+from shared.models.loading import Tokenizer, load_model, load_tokenizer
+from shared.models.weights import WeightsHeader, load_into
+from shared.models.weightsync import TRANSPORTS, WeightSink, make_sink, resolve_transport
 
 VERBS = ("pause", "load", "resume", "info", "migrate")
 AWAY = "--"  # an instance serving another model than the one it started with is named <home model>--<home instance>

@@ -1,7 +1,7 @@
 """``python -m services.trainer --config run.yaml --model <m>``: one model's trainer."""
 
 from services.trainer.service import TrainerService
-from shared.service import main_for
+from shared.kernel.service import main_for
 
 if __name__ == "__main__":
     main_for(TrainerService)

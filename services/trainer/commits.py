@@ -20,12 +20,12 @@ from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
-from shared.bus import delete_object, object_names, read_object, write_object
-from shared.codec import DecodeError, decode, encode
-from shared.schemas import WeightsAnnounce
-from shared.subjects import Names
-from shared.weights import Buffer, WeightsHeader
-from shared.weightsync import NatsSource
+from shared.kernel.bus import delete_object, object_names, read_object, write_object
+from shared.kernel.codec import DecodeError, decode, encode
+from shared.kernel.schemas import WeightsAnnounce
+from shared.kernel.subjects import Names
+from shared.models.weights import Buffer, WeightsHeader
+from shared.models.weightsync import NatsSource
 
 log = structlog.get_logger("trainer.commits")
 

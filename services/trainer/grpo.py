@@ -12,7 +12,7 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
-from shared.advantages import EPS, estimate
+from shared.rlmath.advantages import EPS, estimate
 
 # exp() of a log-ratio above this overflows float32 long before it means anything.
 _MAX_LOG_RATIO = 20.0
@@ -23,7 +23,7 @@ def group_advantages(rewards: torch.Tensor | Sequence[float], group_ids: Sequenc
     """A_i of a group estimator within each group, float32; GRPO by default: A_i = (r_i - mean_g(r)) /
     (std_g(r) + eps), population std per group; singleton/constant groups get 0.
 
-    The formulas live in :mod:`shared.advantages`, shared with the coordinator's episode-complete grouping.
+    The formulas live in :mod:`shared.rlmath.advantages`, shared with the coordinator's episode-complete grouping.
     """
     r = rewards.detach().cpu() if isinstance(rewards, torch.Tensor) else rewards
     return torch.from_numpy(estimate(r, group_ids, estimator, eps)).to(torch.float32)

@@ -7,7 +7,7 @@ from collections import OrderedDict, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from shared.schemas import Sample
+from shared.kernel.schemas import Sample
 
 
 class SeenIds:

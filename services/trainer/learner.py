@@ -34,11 +34,11 @@ from services.trainer.logprobs import (
     prompt_groups,
     shared_width,
 )
-from shared.advantages import batch_advantages, batch_token_advantages
-from shared.config import ChorusConfig
-from shared.models import context_length, load_model, load_tokenizer, resolve_device, shipped_tensors
-from shared.schemas import Sample
-from shared.validation import arrays_problem, numbers_problem
+from shared.kernel.config import ChorusConfig
+from shared.kernel.schemas import Sample
+from shared.kernel.validation import arrays_problem, numbers_problem
+from shared.models.loading import context_length, load_model, load_tokenizer, resolve_device, shipped_tensors
+from shared.rlmath.advantages import batch_advantages, batch_token_advantages
 
 _CKPT = re.compile(r"^v(\d+)\.pt$")
 

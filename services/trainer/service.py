@@ -32,17 +32,17 @@ from services.trainer.commits import CommitPointError, Commits, Fenced
 from services.trainer.intake import SeenIds, StepBook, filter_samples
 from services.trainer.learner import Learner, StepResult, adapter_problem
 from services.trainer.state import Committed, RecentSteps, pack_state, steps_remembered, unpack_state
-from shared import events
-from shared.bus import fetch, kv_put_int_max, pull_consumer, stream_seq
-from shared.codec import DecodeError, decode, encode
-from shared.logs import append_line
-from shared.models import resolve_device
-from shared.schemas import DropEvent, MicroBatch, Sample, StepRecord, WeightsAnnounce
-from shared.service import Service
-from shared.tracking import Trackers
-from shared.validation import sample_problem
-from shared.weights import Buffer, WeightsHeader, flatten, load_into, unpack
-from shared.weightsync import NatsSource, UcxSource, WeightSource, resolve_transport
+from shared.kernel import events
+from shared.kernel.bus import fetch, kv_put_int_max, pull_consumer, stream_seq
+from shared.kernel.codec import DecodeError, decode, encode
+from shared.kernel.logs import append_line
+from shared.kernel.schemas import DropEvent, MicroBatch, Sample, StepRecord, WeightsAnnounce
+from shared.kernel.service import Service
+from shared.kernel.validation import sample_problem
+from shared.models.loading import resolve_device
+from shared.models.weights import Buffer, WeightsHeader, flatten, load_into, unpack
+from shared.models.weightsync import NatsSource, UcxSource, WeightSource, resolve_transport
+from shared.results.tracking import Trackers
 
 T = TypeVar("T")
 

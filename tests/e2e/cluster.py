@@ -8,7 +8,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared.supervisor import Child, Supervisor
+from shared.launcher.supervisor import Child, Supervisor
 
 CHORUS = str(Path(sys.executable).parent / "chorus")
 

@@ -84,8 +84,8 @@ async def prometheus_exporter(nats_url: str) -> AsyncIterator[Callable[[], Await
 def assert_served(samples: dict[tuple[str, frozenset[tuple[str, str]]], float],
                   last: dict[str, dict[str, Any]]) -> int:
     """Every numeric field of the last metrics message of every instance is served with its value; the count."""
-    from shared.promexport import metric_name
-    from shared.tracking import scalars
+    from shared.results.promexport import metric_name
+    from shared.results.tracking import scalars
 
     checked = 0
     for payload in last.values():
@@ -107,7 +107,7 @@ def assert_tensorboard_matches_metrics(run_dir: Path, models: list[str]) -> int:
     import numpy as np
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from shared.tracking import scalars
+    from shared.results.tracking import scalars
 
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     checked = 0
@@ -136,7 +136,7 @@ def export(run_dir: Path, model: str, out: Path) -> str:
     seconds importing torch, transformers and peft again)."""
     from typer.testing import CliRunner
 
-    from shared.cli import app
+    from shared.launcher.cli import app
 
     done = CliRunner().invoke(app, ["export", str(run_dir), "--model", model, "--out", str(out)],
                               env={"COLUMNS": "400"})
@@ -153,8 +153,8 @@ def assert_exports_load_with_chorus_logits(run_dir: Path, tmp_path: Path, lora_m
     from transformers import AutoModelForCausalLM
 
     from services.trainer.learner import Learner
-    from shared.config import load_config
-    from shared.tokenizer import ByteTokenizer
+    from shared.kernel.config import load_config
+    from shared.models.tokenizer import ByteTokenizer
 
     cfg = load_config(run_dir / "config.yaml")
     ids = torch.tensor([ByteTokenizer().encode("1+2=3"), ByteTokenizer().encode("3+3=6")])

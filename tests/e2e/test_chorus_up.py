@@ -7,9 +7,9 @@ import re
 
 import nats
 
-from shared.codec import decode
-from shared.plotting import summarize
-from shared.schemas import Sample
+from shared.kernel.codec import decode
+from shared.kernel.schemas import Sample
+from shared.results.plotting import summarize
 from tests.e2e.conftest import chorus_up, small_run_config
 
 MODELS = ["solver_lm", "verifier_lm"]

@@ -12,11 +12,11 @@ from pathlib import Path
 import nats
 import numpy as np
 
-from shared.bus import read_object
-from shared.codec import decode, encode
-from shared.schemas import MicroBatch, Sample, WeightsAnnounce
-from shared.subjects import Names
-from shared.weights import unpack
+from shared.kernel.bus import read_object
+from shared.kernel.codec import decode, encode
+from shared.kernel.schemas import MicroBatch, Sample, WeightsAnnounce
+from shared.kernel.subjects import Names
+from shared.models.weights import unpack
 from tests.e2e.conftest import small_run_config
 
 CHORUS = str(Path(sys.executable).parent / "chorus")

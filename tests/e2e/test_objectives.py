@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from shared.plotting import summarize
+from shared.results.plotting import summarize
 from tests.e2e.conftest import chorus_up, small_run_config
 from tests.e2e.results import assert_tensorboard_matches_metrics
 

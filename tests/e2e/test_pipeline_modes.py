@@ -13,10 +13,10 @@ from typing import Any
 import nats
 import yaml
 
-from shared.bus import kv_get_int
-from shared.codec import decode
-from shared.schemas import MicroBatch, Sample
-from shared.subjects import Names
+from shared.kernel.bus import kv_get_int
+from shared.kernel.codec import decode
+from shared.kernel.schemas import MicroBatch, Sample
+from shared.kernel.subjects import Names
 from tests.e2e.cluster import Cluster
 from tests.e2e.conftest import small_run_config
 

@@ -14,10 +14,10 @@ from typing import Any
 
 import nats
 
-from shared.bus import kv_get_int
-from shared.codec import decode, encode
-from shared.schemas import Array, GenRequest, GenResponse, RolloutControl, RolloutControlReply
-from shared.subjects import Names
+from shared.kernel.bus import kv_get_int
+from shared.kernel.codec import decode, encode
+from shared.kernel.schemas import Array, GenRequest, GenResponse, RolloutControl, RolloutControlReply
+from shared.kernel.subjects import Names
 from tests.e2e.cluster import Cluster
 from tests.e2e.conftest import small_run_config
 from tests.e2e.test_services_as_processes import MODELS, wait_for_bucket, wait_for_versions

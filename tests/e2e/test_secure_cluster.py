@@ -13,13 +13,13 @@ import nats.errors
 import pytest
 import structlog
 
-from shared.bus import connect, ensure_run, kv_get_int
-from shared.config import load_config
-from shared.credentials import KINDS, password_env
-from shared.natsserver import NatsCluster
-from shared.runbus import run_exists
-from shared.service import Service
-from shared.subjects import SERVICES, Names
+from shared.kernel.bus import connect, ensure_run, kv_get_int
+from shared.kernel.config import load_config
+from shared.kernel.credentials import KINDS, password_env
+from shared.kernel.runbus import run_exists
+from shared.kernel.service import Service
+from shared.kernel.subjects import SERVICES, Names
+from shared.launcher.natsserver import NatsCluster
 from tests.conftest import ROOT
 from tests.e2e.cluster import Cluster
 from tests.e2e.conftest import small_run_config
@@ -139,7 +139,7 @@ async def test_run_completes_on_a_tls_cluster_with_per_kind_credentials_and_deni
         await admin.close()
 
     # `chorus status` reads the run as an observer; `chorus clean` removes it from the three nodes as admin.
-    from shared.cli import _clean, _status
+    from shared.launcher.cli import _clean, _status
 
     assert await _status(cfg, secure_cluster.url) is not None
     removed = await _clean(cfg, secure_cluster.url, run_id)

@@ -10,11 +10,11 @@ from typing import Any
 
 import nats
 
-from shared.bus import kv_get_int
-from shared.codec import decode
-from shared.schemas import GenResponse, Sample
-from shared.subjects import Names
-from shared.supervisor import Supervisor
+from shared.kernel.bus import kv_get_int
+from shared.kernel.codec import decode
+from shared.kernel.schemas import GenResponse, Sample
+from shared.kernel.subjects import Names
+from shared.launcher.supervisor import Supervisor
 from tests.e2e.cluster import Cluster
 from tests.e2e.conftest import CHORUS, small_run_config
 

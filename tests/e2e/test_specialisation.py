@@ -14,9 +14,9 @@ import nats
 import pytest
 import yaml
 
-from shared.codec import decode
-from shared.schemas import Sample
-from shared.tokenizer import ByteTokenizer
+from shared.kernel.codec import decode
+from shared.kernel.schemas import Sample
+from shared.models.tokenizer import ByteTokenizer
 from tests.conftest import ROOT
 from tests.e2e.conftest import chorus_up
 from tests.e2e.results import (

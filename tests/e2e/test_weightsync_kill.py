@@ -18,9 +18,9 @@ import nats
 import pytest
 import yaml
 
-from shared.bus import kv_get_int
-from shared.codec import decode, encode
-from shared.schemas import (
+from shared.kernel.bus import kv_get_int
+from shared.kernel.codec import decode, encode
+from shared.kernel.schemas import (
     Array,
     GenRequest,
     GenResponse,
@@ -29,8 +29,8 @@ from shared.schemas import (
     SyncDone,
     WeightsPull,
 )
-from shared.subjects import Names
-from shared.tokenizer import BOS_ID
+from shared.kernel.subjects import Names
+from shared.models.tokenizer import BOS_ID
 from tests.e2e.cluster import Cluster
 from tests.integration.test_trainer import publish_batch
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from shared.natsserver import NatsCluster, NatsServer
+from shared.launcher.natsserver import NatsCluster, NatsServer
 from tests.conftest import ROOT
 from tests.e2e.cluster import Cluster
 from tests.faults.ledger import Ledger, ModelReport, violations

@@ -21,10 +21,10 @@ import nats.errors
 from nats.aio.client import Client as NATS
 from nats.js import api as jsapi
 
-from shared.bus import kv_get_int
-from shared.codec import DecodeError, decode, encode
-from shared.schemas import RolloutControl, RolloutControlReply, Sample
-from shared.subjects import Names
+from shared.kernel.bus import kv_get_int
+from shared.kernel.codec import DecodeError, decode, encode
+from shared.kernel.schemas import RolloutControl, RolloutControlReply, Sample
+from shared.kernel.subjects import Names
 
 
 @dataclass

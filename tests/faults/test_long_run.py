@@ -12,8 +12,8 @@ import time
 import nats
 import pytest
 
-from shared.bus import kv_get_int, run_consumers
-from shared.subjects import Names
+from shared.kernel.bus import kv_get_int, run_consumers
+from shared.kernel.subjects import Names
 from tests.conftest import ROOT
 from tests.e2e.cluster import Cluster
 from tests.faults.harness import MODELS, Broker, fault_config

@@ -15,10 +15,10 @@ from pathlib import Path
 import nats
 import yaml
 
-from shared.bus import kv_get_int
-from shared.natsserver import NatsServer
-from shared.subjects import Names
-from shared.supervisor import descendants
+from shared.kernel.bus import kv_get_int
+from shared.kernel.subjects import Names
+from shared.launcher.natsserver import NatsServer
+from shared.launcher.supervisor import descendants
 from tests.faults.harness import MODELS, fault_config
 from tests.faults.ledger import Ledger, violations
 

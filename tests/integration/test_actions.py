@@ -10,9 +10,9 @@ import nats
 import pytest
 
 from services.actions.service import ActionsService
-from shared.codec import decode, encode
-from shared.config import load_config
-from shared.schemas import ActionRequest, ActionResult
+from shared.kernel.codec import decode, encode
+from shared.kernel.config import load_config
+from shared.kernel.schemas import ActionRequest, ActionResult
 
 
 @pytest.fixture

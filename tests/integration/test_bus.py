@@ -8,7 +8,7 @@ import nats
 import pytest
 from nats.js.api import ObjectMeta, ObjectMetaOptions
 
-from shared.bus import delete_object, kv_keys, object_names, read_object, write_object
+from shared.kernel.bus import delete_object, kv_keys, object_names, read_object, write_object
 
 
 @pytest.mark.parametrize(("size", "chunk"), [(0, 1024), (5, 1024), (4096, 1024), (3 * 1024 * 1024 + 7, 128 * 1024),

@@ -15,13 +15,13 @@ from nats.aio.msg import Msg
 
 from services.actions.service import ActionsService
 from services.coordinator.service import CoordinatorService
-from shared.bus import kv_put_int_max, pull_consumer
-from shared.codec import decode, encode, encode_json
-from shared.config import ChorusConfig, load_config
-from shared.modeling import build_model
-from shared.schemas import Array, DepthReport, GenOutput, GenRequest, GenResponse, Sample
-from shared.subjects import Names
-from shared.tokenizer import EOS_ID, ByteTokenizer
+from shared.kernel.bus import kv_put_int_max, pull_consumer
+from shared.kernel.codec import decode, encode, encode_json
+from shared.kernel.config import ChorusConfig, load_config
+from shared.kernel.schemas import Array, DepthReport, GenOutput, GenRequest, GenResponse, Sample
+from shared.kernel.subjects import Names
+from shared.models.modeling import build_model
+from shared.models.tokenizer import EOS_ID, ByteTokenizer
 
 MODELS = ("solver_lm", "verifier_lm")
 G = 4

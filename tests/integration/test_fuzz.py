@@ -38,10 +38,9 @@ from services.mq.service import MqService
 from services.paramsync.service import ParamSyncService
 from services.rollouter.service import RollouterService
 from services.trainer.service import TrainerService
-from shared.codec import DecodeError, decode, encode, encode_json
-from shared.config import ChorusConfig, load_config
-from shared.natsserver import NatsServer, free_port
-from shared.schemas import (
+from shared.kernel.codec import DecodeError, decode, encode, encode_json
+from shared.kernel.config import ChorusConfig, load_config
+from shared.kernel.schemas import (
     ActionRequest,
     Array,
     DepthReport,
@@ -55,9 +54,10 @@ from shared.schemas import (
     WeightsMetaRequest,
     WeightsPull,
 )
-from shared.service import Service
-from shared.subjects import BUILDERS, LISTENS, WATCHED_ONLY, Names
-from shared.tokenizer import BOS_ID
+from shared.kernel.service import Service
+from shared.kernel.subjects import BUILDERS, LISTENS, WATCHED_ONLY, Names
+from shared.launcher.natsserver import NatsServer, free_port
+from shared.models.tokenizer import BOS_ID
 
 M = "m"
 G = 2
@@ -422,7 +422,7 @@ def test_every_subscribed_subject_of_every_service_has_a_fuzz_case(worlds: Calla
     world = worlds(transport)
     names = Names(RUN)
     fuzzed = {(c.service, c.method) for c in CASES} | {(s, "status") for s in LISTENS}
-    # Every subject of shared/subjects.py is either listened to by a service (then it needs a case) or declared
+    # Every subject of shared/kernel/subjects.py is either listened to by a service (then it needs a case) or declared
     # as only watched; a new subject must be put in one of the two.
     subjects = []
     for method, _ in inspect.getmembers(Names, predicate=inspect.isfunction):

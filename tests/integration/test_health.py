@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-CHORUS = [sys.executable, "-m", "shared.cli"]
+CHORUS = [sys.executable, "-m", "shared.launcher.cli"]
 
 
 def chorus(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
@@ -73,7 +73,7 @@ def test_health_answers_for_a_live_service_of_the_run_and_fails_with_a_reason_ot
 def test_health_fails_fast_on_an_unreachable_broker_and_imports_nothing_heavy(tmp_path):
     cfg = config(tmp_path, "hc")
     t0 = time.monotonic()
-    out = subprocess.run([sys.executable, "-X", "importtime", "-m", "shared.cli", "health", "actions", "--config",
+    out = subprocess.run([sys.executable, "-X", "importtime", "-m", "shared.launcher.cli", "health", "actions", "--config",
                           str(cfg), "--nats", "nats://127.0.0.1:1", "--timeout", "1"], capture_output=True,
                          text=True, timeout=30, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 1
@@ -81,5 +81,5 @@ def test_health_fails_fast_on_an_unreachable_broker_and_imports_nothing_heavy(tm
     reason = [line for line in out.stderr.splitlines() if line.startswith("unhealthy:")]
     assert len(reason) == 1 and "cannot reach NATS at nats://127.0.0.1:1" in reason[0], out.stderr[-2000:]
     imported = {line.split("|")[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")}
-    assert "shared.deploy" in imported
+    assert "shared.launcher.deploy" in imported
     assert not {"torch", "transformers", "peft"} & imported  # a probe runs every few seconds in every container

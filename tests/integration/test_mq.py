@@ -17,11 +17,11 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
 from services.mq.service import MqService
-from shared.bus import fetch, kv_put_int_max, pull_consumer
-from shared.codec import decode, encode
-from shared.config import ChorusConfig, load_config
-from shared.schemas import Array, MicroBatch, Sample
-from shared.subjects import Names
+from shared.kernel.bus import fetch, kv_put_int_max, pull_consumer
+from shared.kernel.codec import decode, encode
+from shared.kernel.config import ChorusConfig, load_config
+from shared.kernel.schemas import Array, MicroBatch, Sample
+from shared.kernel.subjects import Names
 
 MODEL = "m"
 GROUP = 2  # samples per group; micro_batch 4 -> 2 groups per micro-batch

@@ -24,11 +24,10 @@ from services.rollouter.continuous import ContinuousEngine
 from services.rollouter.engine import behaviour_logprobs
 from services.rollouter.service import RollouterService
 from services.trainer.intake import SeenIds, filter_samples
-from shared.bus import kv_get_int
-from shared.codec import decode, encode
-from shared.config import ChorusConfig, load_config
-from shared.models import load_model, shipped_tensors
-from shared.schemas import (
+from shared.kernel.bus import kv_get_int
+from shared.kernel.codec import decode, encode
+from shared.kernel.config import ChorusConfig, load_config
+from shared.kernel.schemas import (
     Array,
     GenRequest,
     GenResponse,
@@ -37,10 +36,11 @@ from shared.schemas import (
     SyncDone,
     WeightsAnnounce,
 )
-from shared.service import Service
-from shared.subjects import Names
-from shared.tokenizer import BOS_ID
-from shared.weights import flatten, pack
+from shared.kernel.service import Service
+from shared.kernel.subjects import Names
+from shared.models.loading import load_model, shipped_tensors
+from shared.models.tokenizer import BOS_ID
+from shared.models.weights import flatten, pack
 
 MODEL = "m"
 

@@ -9,8 +9,8 @@ import nats
 import nats.errors
 import pytest
 
-from shared.config import PeersSection
-from shared.peers import (
+from shared.kernel.config import PeersSection
+from shared.kernel.peers import (
     ACCEPTED,
     Liveness,
     NotAccepted,

@@ -13,12 +13,12 @@ import torch
 
 from services.rollouter.engine import SamplingParams, TorchEngine
 from services.rollouter.service import RollouterService
-from shared.codec import decode, encode
-from shared.config import ChorusConfig, load_config
-from shared.models import load_model, shipped_tensors
-from shared.schemas import Array, GenRequest, GenResponse, RolloutControl, RolloutControlReply
-from shared.tokenizer import BOS_ID, ByteTokenizer
-from shared.weights import flatten, pack
+from shared.kernel.codec import decode, encode
+from shared.kernel.config import ChorusConfig, load_config
+from shared.kernel.schemas import Array, GenRequest, GenResponse, RolloutControl, RolloutControlReply
+from shared.models.loading import load_model, shipped_tensors
+from shared.models.tokenizer import BOS_ID, ByteTokenizer
+from shared.models.weights import flatten, pack
 
 MODEL = "m"
 
@@ -306,7 +306,7 @@ async def test_a_rollouter_on_a_device_the_machine_lacks_stops_the_run_naming_th
         capsys: pytest.CaptureFixture[str]) -> None:
     import torch
 
-    from shared.service import EX_RUN_FAILED
+    from shared.kernel.service import EX_RUN_FAILED
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     cfg = write_config(tmp_path, run_id)

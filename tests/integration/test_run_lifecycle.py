@@ -12,11 +12,11 @@ from pathlib import Path
 import nats
 import yaml
 
-from shared.bus import ensure_run
-from shared.config import load_config
-from shared.credentials import KINDS, password_env
-from shared.natsserver import NatsServer, free_port, nats_server_binary
-from shared.subjects import Names
+from shared.kernel.bus import ensure_run
+from shared.kernel.config import load_config
+from shared.kernel.credentials import KINDS, password_env
+from shared.kernel.subjects import Names
+from shared.launcher.natsserver import NatsServer, free_port, nats_server_binary
 from tests.conftest import ROOT
 from tests.natstls import make_tls
 

@@ -17,15 +17,15 @@ import torch
 
 from services.trainer.commits import Commits, Fenced
 from services.trainer.service import TrainerService
-from shared.bus import ensure_run, kv_get_int, object_names
-from shared.codec import decode, encode
-from shared.config import ChorusConfig, load_config
-from shared.schemas import Array, MicroBatch, Sample, WeightsAnnounce
-from shared.service import EX_RUN_FAILED
-from shared.subjects import Names
-from shared.tokenizer import BOS_ID, EOS_ID
-from shared.weights import WeightsHeader, checksum, flatten, unpack
-from shared.weightsync import NatsSource, make_sink
+from shared.kernel.bus import ensure_run, kv_get_int, object_names
+from shared.kernel.codec import decode, encode
+from shared.kernel.config import ChorusConfig, load_config
+from shared.kernel.schemas import Array, MicroBatch, Sample, WeightsAnnounce
+from shared.kernel.service import EX_RUN_FAILED
+from shared.kernel.subjects import Names
+from shared.models.tokenizer import BOS_ID, EOS_ID
+from shared.models.weights import WeightsHeader, checksum, flatten, unpack
+from shared.models.weightsync import NatsSource, make_sink
 
 MODEL = "m"
 

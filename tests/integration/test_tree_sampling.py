@@ -21,13 +21,13 @@ from services.coordinator.workflows import verifier_prompt
 from services.coordinator.workflows.api import best_of
 from services.mq.service import MqService
 from services.rollouter.service import RollouterService
-from shared.advantages import group_advantages
-from shared.bus import pull_consumer
-from shared.codec import decode
-from shared.config import ChorusConfig, load_config
-from shared.schemas import MicroBatch, Sample
-from shared.subjects import Names
-from shared.tokenizer import ByteTokenizer
+from shared.kernel.bus import pull_consumer
+from shared.kernel.codec import decode
+from shared.kernel.config import ChorusConfig, load_config
+from shared.kernel.schemas import MicroBatch, Sample
+from shared.kernel.subjects import Names
+from shared.models.tokenizer import ByteTokenizer
+from shared.rlmath.advantages import group_advantages
 
 G = 3
 TOK = ByteTokenizer()

@@ -20,16 +20,16 @@ import torch
 from services.paramsync.service import ParamSyncService
 from services.rollouter.engine import SamplingParams, TorchEngine
 from services.rollouter.service import RollouterService
-from shared.bus import kv_get_int
-from shared.codec import decode, encode
-from shared.config import ChorusConfig, load_config
-from shared.models import load_model, shipped_tensors
-from shared.schemas import Array, GenRequest, GenResponse, SyncDone, WeightsAnnounce
-from shared.service import Service
-from shared.subjects import Names
-from shared.tokenizer import BOS_ID
-from shared.weights import flatten, load_into
-from shared.weightsync import NatsSource, UcxSource, WeightSource
+from shared.kernel.bus import kv_get_int
+from shared.kernel.codec import decode, encode
+from shared.kernel.config import ChorusConfig, load_config
+from shared.kernel.schemas import Array, GenRequest, GenResponse, SyncDone, WeightsAnnounce
+from shared.kernel.service import Service
+from shared.kernel.subjects import Names
+from shared.models.loading import load_model, shipped_tensors
+from shared.models.tokenizer import BOS_ID
+from shared.models.weights import flatten, load_into
+from shared.models.weightsync import NatsSource, UcxSource, WeightSource
 
 ARCH = "{hidden_size: 64, num_layers: 2, num_heads: 2, intermediate_size: 128, max_position: 64}"
 PROMPT = [BOS_ID, 49, 43, 50, 61]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from shared.advantages import ESTIMATORS, batch_advantages, batch_token_advantages, estimate
+from shared.rlmath.advantages import ESTIMATORS, batch_advantages, batch_token_advantages, estimate
 
 REWARDS = [1.0, 0.0, 0.0, 1.0, 5.0, 2.0, 2.0]
 GROUPS = ["a", "a", "a", "a", "b", "c", "c"]  # b: a group of one; c: equal rewards

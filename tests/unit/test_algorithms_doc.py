@@ -6,8 +6,8 @@ import typing
 from pathlib import Path
 
 from services.trainer.grpo import AGGREGATIONS, KL_ESTIMATORS, LOSSES
-from shared.advantages import ESTIMATORS
-from shared.config import TrainConfig
+from shared.kernel.config import TrainConfig
+from shared.rlmath.advantages import ESTIMATORS
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "algorithms.md"
 

@@ -29,10 +29,10 @@ from services.coordinator.workflows import (
 )
 from services.coordinator.workflows.api import best_of
 from services.trainer.grpo import group_advantages, micro_batch_advantages
-from shared.advantages import group_advantages as np_group_advantages
-from shared.config import ChorusConfig
-from shared.schemas import Array, Sample
-from shared.tokenizer import EOS_ID, ByteTokenizer
+from shared.kernel.config import ChorusConfig
+from shared.kernel.schemas import Array, Sample
+from shared.models.tokenizer import EOS_ID, ByteTokenizer
+from shared.rlmath.advantages import group_advantages as np_group_advantages
 from tests.conftest import ROOT
 from tests.unit.test_workflows_builtin import ARITH, Actions, Script
 

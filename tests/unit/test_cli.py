@@ -17,11 +17,10 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from shared.cli import app
-from shared.config import load_config
-from shared.plotting import summarize
-from shared.progress import RunTracker
-from shared.supervisor import (
+from shared.kernel.config import load_config
+from shared.launcher.cli import app
+from shared.launcher.progress import RunTracker
+from shared.launcher.supervisor import (
     ChildSpec,
     Restarts,
     Supervisor,
@@ -30,6 +29,7 @@ from shared.supervisor import (
     resolve_run,
     unique_run_id,
 )
+from shared.results.plotting import summarize
 
 CHORUS = str(Path(sys.executable).parent / "chorus")
 CONFIG = "run: {{id: {run}, dir: {dir}}}\nmodels: {{a: {{rollouter: {{instances: 2}}}}, b: {{}}}}\n" \
@@ -117,7 +117,7 @@ def test_an_eval_event_prints_as_one_line_of_rounded_figures() -> None:
 
 
 def test_the_loss_statistics_and_the_evaluation_figures_are_plotted_and_tabled(tmp_path: Path) -> None:
-    from shared.plotting import training_panels
+    from shared.results.plotting import training_panels
 
     m = tmp_path / "metrics.jsonl"
     steps = [{"model": "a", "version": v, "reward_mean": 0.1, "grad_norm": 1.0 / v, "clip_frac": 0.01 * v,
@@ -243,8 +243,8 @@ FAKE_SERVICE = '''
 import argparse, asyncio, json, os, sys, time
 from pathlib import Path
 import nats
-from shared.config import load_config
-from shared.subjects import Names
+from shared.kernel.config import load_config
+from shared.kernel.subjects import Names
 p = argparse.ArgumentParser()
 for a in ("--config", "--nats", "--model", "--instance"):
     p.add_argument(a)
@@ -253,7 +253,7 @@ cfg = load_config(args.config)
 Path("pids").mkdir(exist_ok=True)
 Path("pids", f"{os.getpid()}").write_text(cfg.run.id)
 async def finish() -> None:
-    from shared.supervisor import plan_services
+    from shared.launcher.supervisor import plan_services
     # every service of the run is up before the run finishes; not the coordinator: `chorus up` starts it once
     # every other service answers a ping, which stand-ins never do
     others = [s for s in plan_services(cfg) if s.service != "coordinator"]
@@ -385,7 +385,7 @@ def _table_rows(text: str) -> list[list[str]]:
 
 
 def test_status_table_has_one_row_per_model_and_agent_table() -> None:
-    from shared.cli import agent_table
+    from shared.launcher.cli import agent_table
 
     filled = {"prompt": 5, "response": 4, "reward": 3, "advantage": 2}
     metrics = {
@@ -407,7 +407,7 @@ def test_status_table_has_one_row_per_model_and_agent_table() -> None:
 
 
 def test_status_balance_table_shows_queues_instances_and_the_last_migration() -> None:
-    from shared.cli import balance_table
+    from shared.launcher.cli import balance_table
 
     metrics = {"0": {"balance": {
         "dispatch": "least_loaded", "queues": {"a": 7, "b": 1},
@@ -454,10 +454,10 @@ async def test_status_shows_the_table_counts_of_a_live_mq(nats_url: str, run_id:
     import asyncio
 
     from services.mq.service import MqService
-    from shared.cli import _status
-    from shared.codec import encode
-    from shared.schemas import Array, Sample
-    from shared.subjects import Names
+    from shared.kernel.codec import encode
+    from shared.kernel.schemas import Array, Sample
+    from shared.kernel.subjects import Names
+    from shared.launcher.cli import _status
 
     p = tmp_path / "c.yaml"
     p.write_text(CONFIG.format(run=run_id, dir=tmp_path) + "workflow: {group_size: 2}\n"
@@ -485,9 +485,9 @@ async def test_status_shows_the_action_completion_times_of_a_live_actions_servic
 
 
     from services.actions.service import ActionsService
-    from shared.cli import _status
-    from shared.codec import decode, encode
-    from shared.schemas import ActionRequest, ActionResult
+    from shared.kernel.codec import decode, encode
+    from shared.kernel.schemas import ActionRequest, ActionResult
+    from shared.launcher.cli import _status
 
     p = tmp_path / "c.yaml"
     p.write_text(CONFIG.format(run=run_id, dir=tmp_path) + "actions: {cores: 2, timeout_s: 10, memory_mb: 256}\n")
@@ -508,7 +508,7 @@ async def test_status_shows_the_action_completion_times_of_a_live_actions_servic
 
 
 def test_the_run_tracker_counts_trained_and_dropped_samples_once_each() -> None:
-    from shared.progress import RunTracker
+    from shared.launcher.progress import RunTracker
 
     t = RunTracker.for_models(["m"], 10)
     for ev in ({"kind": "step", "model": "m", "version": 1, "samples": 16},

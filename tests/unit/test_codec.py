@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from shared.codec import DecodeError, decode, decode_json, encode, encode_json
-from shared.schemas import ActionRequest, Array, GenRequest, MicroBatch, Sample
+from shared.kernel.codec import DecodeError, decode, decode_json, encode, encode_json
+from shared.kernel.schemas import ActionRequest, Array, GenRequest, MicroBatch, Sample
 
 ints = arrays(np.int32, st.integers(0, 40))
 floats = arrays(np.float32, st.integers(0, 40), elements=st.floats(width=32, allow_nan=True, allow_infinity=True))

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from shared.config import ConfigError, config_from_yaml_text, load_config
+from shared.kernel.config import ConfigError, config_from_yaml_text, load_config
 
 BASE = {
     "run": {"id": "c1"},

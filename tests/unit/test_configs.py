@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from shared.config import load_config
-from shared.supervisor import plan_services
+from shared.kernel.config import load_config
+from shared.launcher.supervisor import plan_services
 from tests.conftest import ROOT
 
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))

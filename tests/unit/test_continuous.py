@@ -9,9 +9,9 @@ import torch
 
 from services.rollouter.continuous import ContinuousEngine, support_problem
 from services.rollouter.engine import SamplingParams, TorchEngine, behaviour_logprobs
-from shared.config import ChorusConfig
-from shared.models import load_model
-from shared.tokenizer import BOS_ID, ByteTokenizer
+from shared.kernel.config import ChorusConfig
+from shared.models.loading import load_model
+from shared.models.tokenizer import BOS_ID, ByteTokenizer
 
 TOK = ByteTokenizer()
 

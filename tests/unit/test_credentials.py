@@ -6,8 +6,8 @@ import ssl
 
 import pytest
 
-from shared.config import ConfigError, NatsSection, config_from_yaml_text, load_config
-from shared.credentials import client_options, describe, password_env, permission_denied
+from shared.kernel.config import ConfigError, NatsSection, config_from_yaml_text, load_config
+from shared.kernel.credentials import client_options, describe, password_env, permission_denied
 from tests.conftest import ROOT
 from tests.natstls import make_tls
 

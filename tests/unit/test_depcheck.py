@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.depcheck import closure, cuda_packages
+from shared.launcher.depcheck import closure, cuda_packages
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -21,7 +21,7 @@ def venv_extras() -> tuple[str, ...]:
 def test_make_venv_installs_its_extras_and_checks_them() -> None:
     makefile = (ROOT / "Makefile").read_text()
     assert "pip install -e '.[$(VENV_EXTRAS)]'" in makefile
-    assert "python -m shared.depcheck $(VENV_EXTRAS)" in makefile
+    assert "python -m shared.launcher.depcheck $(VENV_EXTRAS)" in makefile
     assert "ucx" not in venv_extras()
 
 

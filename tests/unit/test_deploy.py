@@ -20,10 +20,10 @@ import pytest
 import yaml
 from typer.main import get_command
 
-from shared.cli import app
-from shared.config import load_config
-from shared.deploy import new_run_id, read_run_file, run_matches, write_run_file
-from shared.supervisor import plan_services
+from shared.kernel.config import load_config
+from shared.launcher.cli import app
+from shared.launcher.deploy import new_run_id, read_run_file, run_matches, write_run_file
+from shared.launcher.supervisor import plan_services
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from services.trainer.learner import Learner, collate
-from shared.config import ChorusConfig, ConfigError
-from shared.models import load_model, resolve_device, shipped_tensors
-from shared.schemas import Array, Sample
-from shared.tokenizer import BOS_ID, EOS_ID, VOCAB_SIZE
-from shared.weights import flatten, load_into, pack, unpack
+from shared.kernel.config import ChorusConfig, ConfigError
+from shared.kernel.schemas import Array, Sample
+from shared.models.loading import load_model, resolve_device, shipped_tensors
+from shared.models.tokenizer import BOS_ID, EOS_ID, VOCAB_SIZE
+from shared.models.weights import flatten, load_into, pack, unpack
 
 NO_CUDA = "models.m.device is cuda but torch.cuda.is_available() is False (no CUDA device or a CPU-only torch); " \
           "set device: cpu or auto"

@@ -11,9 +11,9 @@ import torch
 
 from services.rollouter.batcher import Batcher, RequestExpired
 from services.rollouter.engine import SamplingParams, TorchEngine, behaviour_logprobs, left_pad
-from shared.config import ChorusConfig
-from shared.modeling import build_model
-from shared.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from shared.kernel.config import ChorusConfig
+from shared.models.modeling import build_model
+from shared.models.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 PROMPTS = [[BOS_ID, 10, 11, 12, 13, 14, 15, 16], [BOS_ID, 40], [BOS_ID, 1, 2, 3]]
 

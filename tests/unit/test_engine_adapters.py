@@ -12,11 +12,11 @@ import torch
 from services.rollouter.batcher import Batcher
 from services.rollouter.engine import SamplingParams, TorchEngine, UnknownAdapter, tail_has_stop
 from services.rollouter.service import load_weights
-from shared.config import ChorusConfig
-from shared.modeling import build_model
-from shared.models import load_model, shipped_tensors
-from shared.tokenizer import BOS_ID, EOS_ID, ByteTokenizer
-from shared.weights import flatten
+from shared.kernel.config import ChorusConfig
+from shared.models.loading import load_model, shipped_tensors
+from shared.models.modeling import build_model
+from shared.models.tokenizer import BOS_ID, EOS_ID, ByteTokenizer
+from shared.models.weights import flatten
 
 PROMPTS = [[BOS_ID, 10, 11, 12, 13], [BOS_ID, 40], [BOS_ID, 1, 2, 3, 4, 5, 6], [BOS_ID, 99, 98]]
 

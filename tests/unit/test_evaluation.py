@@ -12,7 +12,7 @@ from services.coordinator.evaluation import (
     pass_at_k,
     scores,
 )
-from shared.config import ChorusConfig
+from shared.kernel.config import ChorusConfig
 
 
 def config(**evaluation) -> ChorusConfig:
@@ -83,7 +83,7 @@ def test_maj_at_n_of_the_final_answer_needs_the_workflow_to_report_it():
     ({"samples": 0}, "eval.samples"),
 ])
 def test_meaningless_evaluation_settings_are_refused_naming_the_key(evaluation, key):
-    from shared.config import ConfigError, load_config
+    from shared.kernel.config import ConfigError, load_config
 
     with pytest.raises(ConfigError) as exc:
         load_config(None, models={"m": {}}, agents={"solver": {"model": "m"}, "verifier": {"model": "m"}},

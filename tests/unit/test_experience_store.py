@@ -21,9 +21,9 @@ from services.mq.experience_store import (
     Policy,
 )
 from services.mq.table import COLUMNS, Ref, head_of
-from shared.codec import encode
-from shared.config import load_config
-from shared.schemas import Array, Sample
+from shared.kernel.codec import encode
+from shared.kernel.config import load_config
+from shared.kernel.schemas import Array, Sample
 
 
 def sample(key: str, i: int, *, version: int = 0, size: int = 2, agent: str = "solver") -> Sample:

@@ -10,10 +10,10 @@ import torch
 
 from services.trainer.intake import SeenIds, StepBook, filter_samples
 from services.trainer.learner import Learner, collate, latest_checkpoint, validate_sample
-from shared.config import ChorusConfig, load_config
-from shared.models import adapter_of_tensor
-from shared.schemas import Array, Sample
-from shared.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
+from shared.kernel.config import ChorusConfig, load_config
+from shared.kernel.schemas import Array, Sample
+from shared.models.loading import adapter_of_tensor
+from shared.models.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
 
 
 def make_cfg(tmp_path, global_batch: int = 8, temperature: float = 1.0, lr: float = 0.01,
@@ -397,7 +397,7 @@ def test_non_finite_rewards_and_advantages_are_not_trainable(field, value, why):
 
 
 def test_reinforce_pp_holds_the_micro_batches_and_trains_on_batch_whitened_returns(tmp_path):
-    from shared.advantages import batch_advantages
+    from shared.rlmath.advantages import batch_advantages
 
     cfg = make_cfg(tmp_path, global_batch=8, train_extra=", advantage: reinforce_pp")
     samples = [make_sample(i, resp_len=2 + i % 3) for i in range(8)]
@@ -532,7 +532,7 @@ def test_kl_in_the_reward_penalises_each_token_by_its_behaviour_kl_to_the_refere
 
 
 def test_reinforce_pp_with_a_kl_reward_penalty_trains_on_whitened_returns_to_go(tmp_path):
-    from shared.advantages import batch_token_advantages
+    from shared.rlmath.advantages import batch_token_advantages
 
     extra = ", advantage: reinforce_pp, kl_coef: 0.2, kl_estimator: k2, kl_in: reward"
     samples = [make_sample(i, resp_len=2 + i % 3) for i in range(4)]

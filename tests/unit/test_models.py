@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.config import ChorusConfig
-from shared.models import adapter_of_tensor, load_model, load_tokenizer, shipped_tensors
+from shared.kernel.config import ChorusConfig
+from shared.models.loading import adapter_of_tensor, load_model, load_tokenizer, shipped_tensors
 
 
 def two_agents(model: str, **agent: str) -> dict[str, dict[str, str]]:

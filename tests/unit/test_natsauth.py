@@ -1,12 +1,12 @@
-"""The least-privilege permissions derived from shared/subjects.py, and the shipped authorization config."""
+"""The least-privilege permissions derived from shared/kernel/subjects.py, and the shipped authorization config."""
 
 from __future__ import annotations
 
 import pytest
 
-from shared.credentials import KINDS
-from shared.natsauth import auth_conf, permissions
-from shared.subjects import LISTENS, PUBLISHES, SERVICES, Names
+from shared.kernel.credentials import KINDS
+from shared.kernel.subjects import LISTENS, PUBLISHES, SERVICES, Names
+from shared.launcher.natsauth import auth_conf, permissions
 from tests.conftest import ROOT
 
 N = Names("r1")

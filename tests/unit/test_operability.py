@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from shared.config import ConfigError, load_config
-from shared.progress import MonitorState, ProgressView, RunTracker
-from shared.service import Service, parse_args
+from shared.kernel.config import ConfigError, load_config
+from shared.kernel.service import Service, parse_args
+from shared.launcher.progress import MonitorState, ProgressView, RunTracker
 
 CHORUS = str(Path(sys.executable).parent / "chorus")
 CONFIG = "run: {id: r}\nmodels: {a: {}}\nagents: {solver: {model: a}, verifier: {model: a}}\n"
@@ -55,7 +55,7 @@ def test_a_bad_key_in_the_file_still_names_the_file(tmp_path: Path) -> None:
 
 LOGGING = """
 import logging, warnings
-from shared.logs import setup_logging
+from shared.kernel.logs import setup_logging
 setup_logging(json=True, run="r").info("ours")
 warnings.warn("a library warning", UserWarning)
 logging.getLogger("nats.aio.client").warning("a stdlib record")

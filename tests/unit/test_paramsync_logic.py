@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from services.paramsync.protocol import AnnounceQueue, InstanceResult, decide, instances_from_keys
-from shared.config import ChorusConfig
-from shared.models import load_model, shipped_tensors
-from shared.schemas import WeightsAnnounce
-from shared.weights import flatten, load_into, pack, unpack
+from shared.kernel.config import ChorusConfig
+from shared.kernel.schemas import WeightsAnnounce
+from shared.models.loading import load_model, shipped_tensors
+from shared.models.weights import flatten, load_into, pack, unpack
 
 
 def ann(v: int) -> WeightsAnnounce:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from shared import events
-from shared.config import ChorusConfig
-from shared.refdocs import OUT, config_rows, render, write
+from shared.kernel import events
+from shared.kernel.config import ChorusConfig
+from shared.launcher.refdocs import OUT, config_rows, render, write
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -18,7 +18,7 @@ def test_generated_reference_docs_are_up_to_date(tmp_path: Path) -> None:
     committed = {p.name: p.read_text() for p in OUT.glob("*.md")}
     stale = sorted(name for name in fresh.keys() | committed.keys() if fresh.get(name) != committed.get(name))
     assert not stale, f"docs/reference/ is out of date ({', '.join(stale)}): run `make docs` " \
-                      "(python -m shared.refdocs) and commit the result"
+                      "(python -m shared.launcher.refdocs) and commit the result"
 
 
 def test_every_config_key_is_in_the_reference_including_model_and_lora_keys() -> None:
@@ -40,6 +40,6 @@ def test_every_event_the_services_publish_is_declared() -> None:
                     and node.func.value.id == "self" and node.args:
                 arg = node.args[0]
                 assert isinstance(arg, ast.Attribute) and isinstance(arg.value, ast.Name) \
-                    and arg.value.id == "events", f"{src}:{node.lineno}: use a kind from shared/events.py"
+                    and arg.value.id == "events", f"{src}:{node.lineno}: use a kind from shared/kernel/events.py"
                 used.add(getattr(events, arg.attr))
     assert used and used <= declared

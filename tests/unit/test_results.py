@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from shared.cli import app
-from shared.config import ChorusConfig, ConfigError, load_config
-from shared.promexport import Latest, metric_name, serve_http
-from shared.tracking import scalars
+from shared.kernel.config import ChorusConfig, ConfigError, load_config
+from shared.launcher.cli import app
+from shared.results.promexport import Latest, metric_name, serve_http
+from shared.results.tracking import scalars
 from tests.e2e.results import parse_exposition
 
 CONFIG = "run: {{id: r1, dir: {dir}}}\nmodels: {{a: {{}}, b: {{lora: {{r: 4}}}}}}\n" \

@@ -16,7 +16,7 @@ from services.coordinator.rewards import (
     parse_judge,
     shape,
 )
-from shared.config import ChorusConfig, ConfigError, load_config
+from shared.kernel.config import ChorusConfig, ConfigError, load_config
 
 unit = st.floats(min_value=0.0, max_value=1.0, allow_nan=False)
 

@@ -1,8 +1,8 @@
 import asyncio
 import json
 
-from shared.config import load_config
-from shared.service import Service
+from shared.kernel.config import load_config
+from shared.kernel.service import Service
 
 
 class Echo(Service):

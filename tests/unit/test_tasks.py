@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from services.coordinator.tasks import TaskSource, heldout_tasks, load_jsonl, make_task, solve
-from shared.config import TaskConfig
+from shared.kernel.config import TaskConfig
 
 
 def test_same_seed_gives_the_same_tasks_and_ids():

@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 from services.trainer.grpo import aggregate_loss, policy_loss_terms
 from services.trainer.learner import Collated, Learner, collate, merge_token_stats
 from services.trainer.logprobs import pack_rows, pack_shared, prompt_groups
-from shared.config import ChorusConfig
-from shared.schemas import Array, Sample
-from shared.tokenizer import BOS_ID, EOS_ID, VOCAB_SIZE
+from shared.kernel.config import ChorusConfig
+from shared.kernel.schemas import Array, Sample
+from shared.models.tokenizer import BOS_ID, EOS_ID, VOCAB_SIZE
 
 # Long-tailed responses: a 40-token row among short ones, so the micro-batch is cut into sub-batches.
 PROMPTS = [5, 7, 6, 9, 5, 8, 6, 7]

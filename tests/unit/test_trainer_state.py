@@ -7,8 +7,8 @@ import torch
 
 from services.trainer.learner import Learner
 from services.trainer.state import RECENT_STEPS, RecentSteps, pack_state, steps_remembered, unpack_state
-from shared.config import load_config
-from shared.subjects import Names
+from shared.kernel.config import load_config
+from shared.kernel.subjects import Names
 
 
 def test_recent_steps_keep_the_ids_of_the_last_steps_only() -> None:

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from shared.weights import WeightsHeader, bucket_spans, checksum, flatten, load_into, pack, unpack
+from shared.models.weights import WeightsHeader, bucket_spans, checksum, flatten, load_into, pack, unpack
 
 
 def tensors(seed: int = 0) -> dict[str, torch.Tensor]:

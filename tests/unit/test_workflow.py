@@ -10,8 +10,8 @@ import yaml
 from services.actions.actions import check_answer
 from services.coordinator.tasks import Task
 from services.coordinator.workflows import GenResult, printable, solve_verify, verifier_prompt
-from shared.config import ChorusConfig, TaskConfig
-from shared.tokenizer import EOS_ID, ByteTokenizer
+from shared.kernel.config import ChorusConfig, TaskConfig
+from shared.models.tokenizer import EOS_ID, ByteTokenizer
 
 TOK = ByteTokenizer()
 

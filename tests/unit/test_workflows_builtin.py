@@ -15,8 +15,8 @@ from services.actions.actions import REGISTRY
 from services.coordinator.tasks import Task
 from services.coordinator.workflows import BUILTIN, Episode, GenResult, run_episode
 from services.coordinator.workflows.scoring import majority
-from shared.config import ChorusConfig
-from shared.tokenizer import EOS_ID, ByteTokenizer
+from shared.kernel.config import ChorusConfig
+from shared.models.tokenizer import EOS_ID, ByteTokenizer
 
 TOK = ByteTokenizer()
 ARITH = Task("t-1", "3+4=", "7")

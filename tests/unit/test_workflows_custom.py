@@ -17,7 +17,7 @@ from services.coordinator.tasks import Task
 from services.coordinator.workflows import GenResult, WorkflowError, run_episode, workflow_of
 from services.coordinator.workflows.api import Batcher
 from services.coordinator.workflows.loader import load_workflow_function
-from shared.config import ChorusConfig, ConfigError, config_from_yaml_text, load_config
+from shared.kernel.config import ChorusConfig, ConfigError, config_from_yaml_text, load_config
 from tests.conftest import ROOT
 from tests.unit.test_workflows_builtin import ARITH, TOK, Actions, Script
 

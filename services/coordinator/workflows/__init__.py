@@ -30,7 +30,7 @@ from services.coordinator.workflows.solve_verify import (
     solve_verify_workflow,
     verifier_prompt,
 )
-from shared.config import ChorusConfig
+from shared.kernel.config import ChorusConfig
 
 BUILTIN: dict[str, Workflow] = {
     "solve_verify": solve_verify_workflow,

@@ -18,8 +18,8 @@ from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NotRequired, Protocol, TypedDict
 
-from shared.config import AgentConfig, ChorusConfig
-from shared.models import Tokenizer, load_tokenizer
+from shared.kernel.config import AgentConfig, ChorusConfig
+from shared.models.loading import Tokenizer, load_tokenizer
 
 if TYPE_CHECKING:
     from services.coordinator.tasks import Task

@@ -34,10 +34,10 @@ from services.coordinator.workflows.api import (
     WorkflowTimeout,
 )
 from services.coordinator.workflows.scoring import check
-from shared.advantages import GROUP_ESTIMATORS, estimate
-from shared.config import ChorusConfig
-from shared.models import Tokenizer
-from shared.schemas import Array, Sample
+from shared.kernel.config import ChorusConfig
+from shared.kernel.schemas import Array, Sample
+from shared.models.loading import Tokenizer
+from shared.rlmath.advantages import GROUP_ESTIMATORS, estimate
 
 if TYPE_CHECKING:
     from services.coordinator.tasks import Task

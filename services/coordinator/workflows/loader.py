@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import cast
 
 from services.coordinator.workflows.api import Workflow
-from shared.config import ConfigError
+from shared.kernel.config import ConfigError
 
 
 def split_spec(spec: str) -> tuple[str, str]:

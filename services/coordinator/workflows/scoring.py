@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from services.coordinator.rewards import extract_answer, judge_prompt, math_equal, parse_judge
 from services.coordinator.workflows.api import Context, Turn
-from shared.config import TaskConfig
+from shared.kernel.config import TaskConfig
 
 if TYPE_CHECKING:
     from services.coordinator.tasks import Task

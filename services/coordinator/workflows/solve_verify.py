@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any
 from services.coordinator.workflows.api import Context, Generate, GenResult, Tokenizers, Trajectory, Turn
 from services.coordinator.workflows.episode import Episode, run_episode
 from services.coordinator.workflows.scoring import answer_check
-from shared.config import ChorusConfig, TaskConfig
-from shared.models import Tokenizer
+from shared.kernel.config import ChorusConfig, TaskConfig
+from shared.models.loading import Tokenizer
 
 if TYPE_CHECKING:
     from services.coordinator.tasks import Task

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 
-from shared.bus import kv_get_int
-from shared.config import ChorusConfig
-from shared.subjects import Names
+from shared.kernel.bus import kv_get_int
+from shared.kernel.config import ChorusConfig
+from shared.kernel.subjects import Names
 
 
 @dataclass(frozen=True)

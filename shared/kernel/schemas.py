@@ -1,4 +1,4 @@
-"""Message schemas of the bus (pydantic v2). Each carries a ``schema`` version; see :mod:`shared.codec`."""
+"""Message schemas of the bus (pydantic v2). Each carries a ``schema`` version; see :mod:`shared.kernel.codec`."""
 
 from __future__ import annotations
 
@@ -141,7 +141,7 @@ class RolloutControlReply(Message):
 
 class Sample(Message):
     """One agent turn of one rollout: what the trainer of ``model`` learns from. Non-finite numbers decode, so that
-    a micro-batch holding one is rejected sample by sample (:mod:`shared.validation`), not whole."""
+    a micro-batch holding one is rejected sample by sample (:mod:`shared.kernel.validation`), not whole."""
 
     model_config = ConfigDict(allow_inf_nan=True)
     MAX_BYTES: ClassVar[int | None] = None
@@ -200,7 +200,7 @@ class WeightsAnnounce(Message):
     version: int
     transport: Literal["nats", "ucx"] = "nats"
     object_name: str | None = None
-    checksum: str  # of the flat buffer: the digest of its bucket digests (shared.weights.checksum)
+    checksum: str  # of the flat buffer: the digest of its bucket digests (shared.models.weights.checksum)
     nbytes: int
     state_object: str | None = None
     created_at: float = Field(default_factory=time.time)

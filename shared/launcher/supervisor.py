@@ -29,16 +29,16 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from shared.bus import connect, ensure_run, kv_get_int
-from shared.codec import DecodeError, decode_json
-from shared.config import ChorusConfig, ConfigError, load_config
-from shared.deploy import unique_run_id
-from shared.natsserver import NatsServer
-from shared.plotting import eval_table_rows, load_evals, plot_run, plot_training, summarize
-from shared.progress import ProgressView, RunTracker
-from shared.runbus import run_exists
-from shared.service import EX_RUN_FAILED, START_WAIT_S
-from shared.subjects import Names
+from shared.kernel.bus import connect, ensure_run, kv_get_int
+from shared.kernel.codec import DecodeError, decode_json
+from shared.kernel.config import ChorusConfig, ConfigError, load_config
+from shared.kernel.runbus import run_exists
+from shared.kernel.service import EX_RUN_FAILED, START_WAIT_S
+from shared.kernel.subjects import Names
+from shared.launcher.deploy import unique_run_id
+from shared.launcher.natsserver import NatsServer
+from shared.launcher.progress import ProgressView, RunTracker
+from shared.results.plotting import eval_table_rows, load_evals, plot_run, plot_training, summarize
 
 STOP_GRACE_S = 20.0
 DRAIN_GRACE_S = 10.0  # the coordinator finishes the episodes in hand before it stops
@@ -294,7 +294,7 @@ def _port_free(port: int) -> bool:
 def child_env(cfg: ChorusConfig) -> dict[str, str]:
     """Environment of every service: the resolved run id and dir win over anything in the YAML; the NATS secrets
     that config.yaml leaves out (nats.password, nats.token) are passed here."""
-    root = str(Path(__file__).resolve().parents[1])
+    root = str(Path(__file__).resolve().parents[2])
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
     return {**os.environ, **cfg.secret_env(), "CHORUS_RUN__ID": cfg.run.id, "CHORUS_RUN__DIR": str(cfg.run.dir),
             "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from shared.config import ChorusConfig, ConfigError, load_config
+from shared.kernel.config import ChorusConfig, ConfigError, load_config
 
 if TYPE_CHECKING:
     import torch
@@ -84,7 +84,7 @@ def load_checkpoint(cfg: ChorusConfig, model: str, path: Path) -> torch.nn.Modul
     """Chorus's network of ``model`` (base, or peft with every adapter) on the CPU with the checkpoint's tensors."""
     import torch
 
-    from shared.models import load_model, shipped_tensors
+    from shared.models.loading import load_model, shipped_tensors
 
     net = load_model(cfg, model, "cpu")
     state = torch.load(path, map_location="cpu", weights_only=True)
@@ -103,7 +103,7 @@ def load_checkpoint(cfg: ChorusConfig, model: str, path: Path) -> torch.nn.Modul
 
 
 def _save_tokenizer(cfg: ChorusConfig, model: str, out: Path) -> bool:
-    from shared.models import model_dir
+    from shared.models.loading import model_dir
 
     path = model_dir(cfg, model)
     if path is None:
@@ -137,7 +137,7 @@ def _export(cfg: ChorusConfig, run_dir: Path, model: str, out: Path, version: in
         net.save_pretrained(str(out))
         result.tokenizer = _save_tokenizer(cfg, model, out)
     else:
-        from shared.models import load_base
+        from shared.models.loading import load_base
 
         base_dir = out / "base"
         load_base(cfg, model).save_pretrained(str(base_dir))  # the frozen base, as every process builds it
@@ -177,7 +177,7 @@ def _write_notes(cfg: ChorusConfig, r: Exported) -> None:
     if r.tokenizer:
         lines += [f"The tokenizer is saved beside the model (`{model_path}/`)."]
     else:
-        lines += ["No tokenizer files: this tiny model uses Chorus's byte tokenizer (shared/tokenizer.py), which is code,",
+        lines += ["No tokenizer files: this tiny model uses Chorus's byte tokenizer (shared/models/tokenizer.py), which is code,",
                   "not a Hugging Face tokenizer. Token ids 0-255 are the UTF-8 bytes of the text, 256 is PAD, 257 BOS",
                   "and 258 EOS: `[257, *text.encode()]` is a prompt; decode up to the first 258."]
     (r.out / "README.md").write_text("\n".join(lines) + "\n")

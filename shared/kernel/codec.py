@@ -1,6 +1,6 @@
 """The one msgpack codec of the data plane, and the JSON codec of metrics and events.
 
-Arrays travel as raw bytes with dtype and shape (:class:`shared.schemas.Array`), never as lists.
+Arrays travel as raw bytes with dtype and shape (:class:`shared.kernel.schemas.Array`), never as lists.
 """
 
 from __future__ import annotations

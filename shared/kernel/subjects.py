@@ -26,7 +26,7 @@ LISTENS: dict[str, tuple[str, ...]] = {
 }
 # The subjects each service kind publishes on (core NATS, JetStream, requests), by the Names method that builds them;
 # every kind also publishes its own OWN subjects and probes the status endpoint of any service (its peers). With
-# LISTENS and the KV keys of KV_WRITES, shared/natsauth.py derives each kind's permissions (deploy/nats/auth.conf).
+# LISTENS and the KV keys of KV_WRITES, shared/launcher/natsauth.py derives each kind's permissions (deploy/nats/auth.conf).
 PUBLISHES: dict[str, tuple[str, ...]] = {
     "coordinator": ("traj", "gen", "gen_direct", "rollout_control", "actions_submit"),
     "rollouter": ("rollout_load", "weights_meta", "weights_pull"),

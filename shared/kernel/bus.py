@@ -22,9 +22,9 @@ from nats.js.errors import BadRequestError, BucketNotFoundError, KeyNotFoundErro
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
-from shared.config import ChorusConfig, NatsSection
-from shared.credentials import client_options, describe, permission_denied
-from shared.subjects import Names
+from shared.kernel.config import ChorusConfig, NatsSection
+from shared.kernel.credentials import client_options, describe, permission_denied
+from shared.kernel.subjects import Names
 
 log = structlog.get_logger("bus")
 
@@ -48,7 +48,7 @@ async def connect(url: str, name: str, *, timeout_s: float = 5.0, nats_cfg: Nats
 
     ``url`` may name several servers of a cluster, comma-separated; the client also learns the others from the
     server it reaches and reconnects to a surviving one when its server goes. With ``nats_cfg`` and ``kind`` the
-    client authenticates as that kind (:func:`shared.credentials.client_options`: user/password, token, nkey,
+    client authenticates as that kind (:func:`shared.kernel.credentials.client_options`: user/password, token, nkey,
     creds, TLS). A permissions violation the server reports is logged with its operation and subject and passed
     to ``on_denied(operation, subject)``; the connection stays up.
     """

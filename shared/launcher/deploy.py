@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from shared.subjects import Names, check_token
+from shared.kernel.subjects import Names, check_token
 
 RUN_FILE_POLL_S = 0.2
 
@@ -96,7 +96,7 @@ async def probe(url: str, service: str, *, model: str | None, instance: str, run
                 timeout_s: float, connect_timeout_s: float, nats_cfg: Any = None) -> tuple[bool, str]:
     """Ping every ``chorus-<service>`` on the bus and wait for the answer of this instance (model, instance, run).
     ``nats_cfg``: the credentials of an observer (a secured server). Returns (healthy, one-line reason)."""
-    from shared.bus import connect
+    from shared.kernel.bus import connect
 
     deadline = time.monotonic() + timeout_s
     try:

@@ -24,7 +24,7 @@ import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from shared.config import PeersSection
+from shared.kernel.config import PeersSection
 
 T = TypeVar("T")
 

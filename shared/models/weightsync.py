@@ -36,13 +36,13 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from shared.bus import delete_object, read_object, write_object
-from shared.codec import DecodeError, decode, encode
-from shared.config import ChorusConfig
-from shared.peers import PeerWatch, until_gone
-from shared.schemas import WeightsMetaRequest, WeightsPull, WeightsReply
-from shared.subjects import Names
-from shared.weights import Buffer, WeightsHeader, alloc, head, unpack
+from shared.kernel.bus import delete_object, read_object, write_object
+from shared.kernel.codec import DecodeError, decode, encode
+from shared.kernel.config import ChorusConfig
+from shared.kernel.peers import PeerWatch, until_gone
+from shared.kernel.schemas import WeightsMetaRequest, WeightsPull, WeightsReply
+from shared.kernel.subjects import Names
+from shared.models.weights import Buffer, WeightsHeader, alloc, head, unpack
 
 log = structlog.get_logger("weightsync")
 
@@ -327,7 +327,7 @@ class WeightSink(ABC):
     @abstractmethod
     async def fetch(self, version: int, *, object_name: str | None, timeout_s: float) -> tuple[WeightsHeader,
                                                                                                  memoryview]:
-        """Header and body of ``version`` (body checked by the caller's :func:`shared.weights.load_into`)."""
+        """Header and body of ``version`` (body checked by the caller's :func:`shared.models.weights.load_into`)."""
 
     async def close(self) -> None:  # noqa: B027 - optional hook
         pass

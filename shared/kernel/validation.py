@@ -14,8 +14,8 @@ import math
 
 import numpy as np
 
-from shared.config import ChorusConfig
-from shared.schemas import MAX_NEW_TOKENS, Array, Sample
+from shared.kernel.config import ChorusConfig
+from shared.kernel.schemas import MAX_NEW_TOKENS, Array, Sample
 
 LOGPROB_SLACK = 1e-4  # a behaviour log-prob is <= 0; float rounding may put a certain token a hair above
 MAX_RESPONSE = MAX_NEW_TOKENS  # tokens: GenRequest.max_new_tokens is at most this

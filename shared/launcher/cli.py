@@ -16,9 +16,9 @@ from rich.console import Console, Group, RenderableType
 from rich.live import Live
 from rich.table import Table
 
-from shared.config import ChorusConfig, ConfigError, load_config
-from shared.logs import setup_logging
-from shared.subjects import SERVICES, Names
+from shared.kernel.config import ChorusConfig, ConfigError, load_config
+from shared.kernel.logs import setup_logging
+from shared.kernel.subjects import SERVICES, Names
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Chorus: asynchronous multi-agent, multi-model LLM RL on NATS JetStream.")
@@ -109,7 +109,7 @@ def serve(
 
 def _run_id_from_file(run_file: Path) -> None:
     """Wait for the run file of a deployment and make its run id the one every config load sees."""
-    from shared.deploy import Interrupted, wait_run_file
+    from shared.launcher.deploy import Interrupted, wait_run_file
 
     try:
         run_id = wait_run_file(run_file, on_wait=lambda: err.print(f"waiting for the run id in {run_file}",
@@ -129,7 +129,7 @@ def new_run(
 ) -> None:
     """Make a fresh run id, <run.id>-YYYYmmdd-HHMMSS-<4 hex>, print it and write it to --out: one per deployment
     (`docker compose up`), read by `chorus serve --run-file`."""
-    from shared.deploy import new_run_id, write_run_file
+    from shared.launcher.deploy import new_run_id, write_run_file
 
     run_id = new_run_id(_load(config).run.id)
     if out is not None:
@@ -150,7 +150,7 @@ def health(
 ) -> None:
     """Exit 0 if this service instance answers its NATS micro-service ping, else 1 with the reason (a probe for
     containers, Kubernetes and scripts). Without --run/--run-file any run made from the config's run.id counts."""
-    from shared.deploy import probe, read_run_file
+    from shared.launcher.deploy import probe, read_run_file
 
     if service not in SERVICES:
         err.print(f"unhealthy: unknown service {service!r}: choose one of {', '.join(SERVICES)}", highlight=False)
@@ -187,14 +187,14 @@ def up(
     """Run a whole config on this machine until every model reaches train.max_versions, or resume a run."""
     import uvloop
 
-    from shared.bus import BrokerUnreachable
-    from shared.supervisor import run_up
+    from shared.kernel.bus import BrokerUnreachable
+    from shared.launcher.supervisor import run_up
 
     if run is not None and resume is not None:
         err.print("[red]error:[/] --run names a new run; --resume continues the run of its directory: give one")
         raise typer.Exit(2)
     if run is not None:
-        from shared.subjects import check_token
+        from shared.kernel.subjects import check_token
 
         try:
             check_token(run, "--run")
@@ -224,8 +224,8 @@ def plot(
 ) -> None:
     """Plot reward, staleness and held-out scores per version (reward.png) and the loss's statistics
     (training.png) from a run's metrics.jsonl, and print the summary."""
-    from shared.plotting import load_evals, plot_run, plot_training, summarize
-    from shared.supervisor import eval_table, summary_table
+    from shared.launcher.supervisor import eval_table, summary_table
+    from shared.results.plotting import load_evals, plot_run, plot_training, summarize
 
     metrics = run_dir if run_dir.is_file() else run_dir / "metrics.jsonl"
     if not metrics.is_file():
@@ -250,8 +250,8 @@ def plot(
 async def _status(cfg: ChorusConfig, url: str) -> RenderableType:
     from nats.js.errors import NotFoundError
 
-    from shared.bus import connect, kv_get_int
-    from shared.supervisor import ping_run
+    from shared.kernel.bus import connect, kv_get_int
+    from shared.launcher.supervisor import ping_run
 
     names = Names(cfg.run.id)
     nc = await connect(url, "chorus-status", timeout_s=cfg.nats.connect_timeout_s, nats_cfg=cfg.nats, kind="observer")
@@ -294,7 +294,7 @@ async def _status(cfg: ChorusConfig, url: str) -> RenderableType:
 
 async def _run_state_line(cfg: ChorusConfig, kv: Any) -> str:
     """Whether the run has finished, from its KV bucket (the trainers' trained versions, the final evaluation)."""
-    from shared.runstate import run_state
+    from shared.kernel.runstate import run_state
 
     if kv is None:
         return f"run {cfg.run.id}: not started on this server (no KV bucket)"
@@ -312,7 +312,7 @@ async def _mq_metrics(nc: Any, names: Names, answers: list[dict[str, Any]]) -> d
     """Metrics of every mq that answered the ping, by model, from its status endpoint."""
     import nats
 
-    from shared.codec import DecodeError, decode_json
+    from shared.kernel.codec import DecodeError, decode_json
 
     async def ask(model: str, instance: str) -> tuple[str, Any]:
         try:
@@ -331,7 +331,7 @@ async def _service_metrics(nc: Any, names: Names, answers: list[dict[str, Any]],
     """Metrics of every instance of ``service`` (a service without a model) that answered the ping, by instance."""
     import nats
 
-    from shared.codec import DecodeError, decode_json
+    from shared.kernel.codec import DecodeError, decode_json
 
     async def ask(instance: str) -> tuple[str, Any]:
         try:
@@ -471,7 +471,7 @@ def status(config: ConfigOpt, nats: NatsOpt = None, run: RunOpt = None) -> None:
 
 
 def _bus_gone(url: str, exc: BaseException) -> NoReturn:
-    from shared.bus import BrokerUnreachable
+    from shared.kernel.bus import BrokerUnreachable
 
     why = str(exc) if isinstance(exc, BrokerUnreachable) else \
         f"cannot reach NATS at {url} (or it went away): {type(exc).__name__}: {exc}"
@@ -488,10 +488,10 @@ async def _monitor(cfg: ChorusConfig, url: str, duration_s: float | None) -> int
     from nats.errors import Error as NatsError
     from nats.js.errors import NotFoundError
 
-    from shared.bus import connect
-    from shared.codec import DecodeError, decode_json
-    from shared.progress import MonitorState
-    from shared.runstate import run_finished
+    from shared.kernel.bus import connect
+    from shared.kernel.codec import DecodeError, decode_json
+    from shared.kernel.runstate import run_finished
+    from shared.launcher.progress import MonitorState
 
     names = Names(cfg.run.id)
     state = MonitorState()
@@ -581,8 +581,8 @@ def export(
         "--config", "-c", help="the run's config (default: RUN_DIR/config.yaml, written by chorus up)")] = None,
 ) -> None:
     """Write a checkpoint in Hugging Face format (a LoRA model: its base and one PEFT directory per adapter)."""
-    from shared.export import ExportError
-    from shared.export import export as export_checkpoint
+    from shared.models.export import ExportError
+    from shared.models.export import export as export_checkpoint
 
     try:
         done = export_checkpoint(run_dir, model, out, version, config)
@@ -602,9 +602,9 @@ async def _export_prometheus(url: str, subject: str, host: str, port: int, conne
                              nats_cfg: Any = None) -> None:
     import signal
 
-    from shared.bus import connect
-    from shared.codec import DecodeError, decode_json
-    from shared.promexport import Latest, serve_http
+    from shared.kernel.bus import connect
+    from shared.kernel.codec import DecodeError, decode_json
+    from shared.results.promexport import Latest, serve_http
 
     latest = Latest()
     stop = asyncio.Event()
@@ -669,8 +669,8 @@ def export_prometheus(
 
 
 async def _clean(cfg: ChorusConfig, url: str, run: str) -> list[str]:
-    from shared.bus import connect
-    from shared.runbus import clean_run
+    from shared.kernel.bus import connect
+    from shared.kernel.runbus import clean_run
 
     nc = await connect(url, "chorus-clean", timeout_s=cfg.nats.connect_timeout_s, nats_cfg=cfg.nats, kind="admin")
     try:
@@ -687,8 +687,8 @@ def clean(
     """Delete a run's streams, KV bucket and object store from the NATS server (its run directory stays)."""
     from nats.errors import Error as NatsError
 
-    from shared.runbus import describe_stream
-    from shared.subjects import check_token
+    from shared.kernel.runbus import describe_stream
+    from shared.kernel.subjects import check_token
 
     try:
         check_token(run, "run id")
@@ -719,8 +719,8 @@ def nats_auth(
     out: Annotated[Path | None, typer.Option("--out", "-o", help="write here (default: print)")] = None,
 ) -> None:
     """The nats-server authorization config giving every Chorus client kind least-privilege permissions, derived
-    from shared/subjects.py (the shipped copy is deploy/nats/auth.conf)."""
-    from shared.natsauth import auth_conf
+    from shared/kernel/subjects.py (the shipped copy is deploy/nats/auth.conf)."""
+    from shared.launcher.natsauth import auth_conf
 
     text = auth_conf()
     if out is None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import hashlib
 from typing import TYPE_CHECKING
 
-from shared.config import ChorusConfig
-from shared.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
+from shared.kernel.config import ChorusConfig
+from shared.models.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
 
 if TYPE_CHECKING:
     import torch

@@ -28,14 +28,14 @@ from nats.micro import add_service
 from nats.micro.request import Request
 from pydantic import BaseModel
 
-from shared.bus import BrokerUnreachable, connect, ensure_run
-from shared.codec import DecodeError, decode, encode_json
-from shared.config import ChorusConfig, ConfigError, load_config
-from shared.credentials import describe
-from shared.logs import setup_logging
-from shared.peers import PeerWatch
-from shared.runstate import run_finished
-from shared.subjects import Names
+from shared.kernel.bus import BrokerUnreachable, connect, ensure_run
+from shared.kernel.codec import DecodeError, decode, encode_json
+from shared.kernel.config import ChorusConfig, ConfigError, load_config
+from shared.kernel.credentials import describe
+from shared.kernel.logs import setup_logging
+from shared.kernel.peers import PeerWatch
+from shared.kernel.runstate import run_finished
+from shared.kernel.subjects import Names
 
 VERSION = "0.1.0"
 M = TypeVar("M", bound=BaseModel)

@@ -9,7 +9,7 @@ from typing import Any
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from shared import events
+from shared.kernel import events
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Check that an install pulls no CUDA library: the dependency closure of ``chorus[<extras>]`` over the installed
 distributions holds no ``nvidia-*``, ``cuda-*`` or ``*-cu1x`` package.
 
-``python -m shared.depcheck dev`` (run by ``make venv``) exits 1 naming each such package and the chain of
+``python -m shared.launcher.depcheck dev`` (run by ``make venv``) exits 1 naming each such package and the chain of
 requirements that pulled it in.
 """
 

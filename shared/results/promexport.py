@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.tracking import scalars
+from shared.results.tracking import scalars
 
 PREFIX = "chorus_"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

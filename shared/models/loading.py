@@ -19,9 +19,9 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from shared.config import ChorusConfig, ConfigError
-from shared.modeling import build_model, model_seed
-from shared.tokenizer import ByteTokenizer
+from shared.kernel.config import ChorusConfig, ConfigError
+from shared.models.modeling import build_model, model_seed
+from shared.models.tokenizer import ByteTokenizer
 
 if TYPE_CHECKING:
     import torch

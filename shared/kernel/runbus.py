@@ -11,7 +11,7 @@ from nats.js import JetStreamContext
 from nats.js.api import StreamInfo
 from nats.js.errors import NotFoundError
 
-from shared.subjects import Names
+from shared.kernel.subjects import Names
 
 
 async def run_streams(js: JetStreamContext, run: str) -> list[str]:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlparse
 
-from shared.config import ChorusConfig
+from shared.kernel.config import ChorusConfig
 
 EVAL_TRACKER = "eval"  # the coordinator's held-out evaluation records: runs/<id>/tensorboard/eval/
 WANDB_URL = "https://api.wandb.ai"

@@ -25,8 +25,8 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
-from shared.schemas import MAX_NEW_TOKENS
-from shared.subjects import check_token
+from shared.kernel.schemas import MAX_NEW_TOKENS
+from shared.kernel.subjects import check_token
 
 
 class ConfigError(ValueError):

@@ -1,6 +1,6 @@
 """Every event kind a service publishes on ``events.<service>`` (JSON, ``"kind"`` names it), in one place.
 
-Each event also carries ``instance``, ``model`` and ``time`` (:meth:`shared.service.Service.event`). Records
+Each event also carries ``instance``, ``model`` and ``time`` (:meth:`shared.kernel.service.Service.event`). Records
 (written to the events stream and acknowledged there before what they report is acked) are marked.
 """
 
