@@ -166,11 +166,23 @@ class ParamSyncService(Service):
 
     async def sync(self, ann: WeightsAnnounce) -> SyncDone:
         """Run the whole protocol for one announce; failures are reported in SyncDone, never raised."""
-        assert self.model is not None
         t0 = time.perf_counter()
+        instances = await self.begin(ann)
+        results = await self.pause_and_load_all(instances, ann)
+        return await self.finish(ann, results, t0)
+
+    async def begin(self, ann: WeightsAnnounce) -> list[str]:
+        """The first step of a sync: the instances it covers, and its phase "running" in KV."""
         instances = await self._live_instances()
         await self._set_state("running", ann.version, instances)
-        results = await asyncio.gather(*(self._pause_and_load(i, ann) for i in instances))
+        return instances
+
+    async def pause_and_load_all(self, instances: list[str], ann: WeightsAnnounce) -> list[InstanceResult]:
+        return list(await asyncio.gather(*(self._pause_and_load(i, ann) for i in instances)))
+
+    async def finish(self, ann: WeightsAnnounce, results: list[InstanceResult], t0: float) -> SyncDone:
+        """The last step: commit the served version (or not), resume the instances, phase "done", SyncDone."""
+        assert self.model is not None
         outcome = decide(results)
         served = ann.version
         try:

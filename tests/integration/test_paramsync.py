@@ -391,3 +391,51 @@ async def test_a_sync_in_interrupt_mode_continues_rows_mid_generation_under_the_
         assert sample.token_versions.tolist() == versions
         assert len(filter_samples([sample], version=2, max_staleness=1, seen=SeenIds(8)).stale) == 1
         assert len(filter_samples([sample], version=1, max_staleness=1, seen=SeenIds(8)).keep) == 1
+
+
+async def test_an_instance_that_starts_during_a_sync_never_answers_below_the_served_version(
+        nats_url: str, run_id: str, tmp_path: Path) -> None:
+    """The race of an instance that joins, restarts or migrates while a sync is under way: the sync lists the
+    registered instances, the newcomer loads the version served at that moment and would join routing, then the
+    sync commits the next version, which the newcomer does not hold. Requests sent once the new version is served
+    must never be answered with the old one."""
+    cfg = write_config(tmp_path, run_id)
+    async with running(cfg, nats_url, 1) as s:
+        named = await publish_weights(s, version=1, delta=0.03, announce=False)
+        header, _ = flatten(MODEL, 1, named)
+        ann = WeightsAnnounce(model=MODEL, version=1, object_name=s.names.weights_object(MODEL, 1),
+                              checksum=header.checksum, nbytes=header.nbytes)
+        kv = await s.nc.jetstream().key_value(s.names.kv_bucket)
+        t0 = time.perf_counter()
+        assert await s.paramsync.begin(ann) == ["0"]  # the sync covers the instances registered now
+
+        late = RollouterService(cfg, nats_url=nats_url, instance="late", model=MODEL)
+        task = asyncio.create_task(late.serve())
+        try:
+            for _ in range(1200):  # the newcomer starts meanwhile: it has loaded what is served and registered
+                assert not task.done(), f"the new instance exited with {task.result()}"
+                with contextlib.suppress(Exception):
+                    if hasattr(late, "engine") and await late.kv.get(s.names.rollouter_key(MODEL, "late")):
+                        break
+                await asyncio.sleep(0.05)
+            else:
+                raise AssertionError("the new instance did not register")
+            results = await s.paramsync.pause_and_load_all(["0"], ann)
+            done = await s.paramsync.finish(ann, results, t0)
+            assert done.loaded == ["0"] and await kv_get_int(kv, s.names.version_key(MODEL)) == 1
+
+            # From now on v1 is served: the newcomer may take requests only with v1 loaded.
+            req = GenRequest(request_id="after", prompts=[Array.of([BOS_ID, 49, 43], "int32")], max_new_tokens=2)
+            for _ in range(1200):
+                if late.routing:
+                    break
+                await asyncio.sleep(0.05)
+            msg = await s.nc.request(s.names.gen_direct(MODEL, "late"), encode(req), timeout=30)
+            resp = decode(GenResponse, msg.data)
+            assert resp.error is None and resp.instance == "late", resp
+            assert resp.version >= 1, f"answered with v{resp.version} while v1 was served"
+            got = late.engine.named_tensors()
+            assert all(torch.equal(got[k], named[k]) for k in named)
+        finally:
+            late.stop()
+            assert await asyncio.wait_for(task, 30) == 0
