@@ -132,13 +132,16 @@ class ParamSyncService(Service):
                 self._wake.set()
 
     # --- the state of a sync in KV --------------------------------------------------------
-    async def _set_state(self, phase: str, version: int, instances: list[str] | None = None) -> None:
+    async def _set_state(self, phase: str, version: int, instances: list[str] | None = None, *,
+                         required: bool = False) -> None:
         assert self.model is not None
         state = {"phase": phase, "version": version, "instances": instances or [], "paramsync": self.instance,
                  "time": time.time()}
         try:
             await self.kv.put(self.names.sync_key(self.model), json.dumps(state).encode())
         except (nats.errors.Error, TimeoutError) as exc:  # only a restart mid-sync would miss it
+            if required:
+                raise
             self.counters["kv_errors"] += 1
             self.log.warning("could not record the sync phase", phase=phase, error=f"{type(exc).__name__}: {exc}")
 
@@ -172,7 +175,13 @@ class ParamSyncService(Service):
         return await self.finish(ann, results, t0)
 
     async def begin(self, ann: WeightsAnnounce) -> list[str]:
-        """The first step of a sync: the instances it covers, and its phase "running" in KV."""
+        """The first step of a sync: its phase "running" in KV, then the instances it covers.
+
+        The phase is written before the listing, and a rollouter registers before it reads the phase (it joins
+        routing only while no sync runs): so an instance is either listed, paused and loaded by this sync, or
+        it sees the sync running and joins after its commit, with the version it commits. A sync whose phase
+        cannot be written does not start (the commit point is read again within a second)."""
+        await self._set_state("running", ann.version, required=True)
         instances = await self._live_instances()
         await self._set_state("running", ann.version, instances)
         return instances

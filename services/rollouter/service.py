@@ -6,6 +6,12 @@ version: one whose load failed stays out, loads the served version by itself, an
 through the transport of the sync, or from the object store, where the trainer commits every version: a
 rollouter started after its trainer died still finds the served weights. Paused by a paramsync that then dies
 or freezes, it resumes by itself within a few probes.
+
+Joining routing (at start, after a restart or a migration, after catching up) follows one order: register (so
+that every sync from now on lists it), then join only while no sync is running and with the served version
+loaded. A sync writes its phase before it lists the instances, so a sync the newcomer did not see running lists
+it, pauses it and loads it before it commits; one it saw running is waited for. No instance is ever in routing
+below the served version of the moment a request is routed to it.
 """
 
 from __future__ import annotations
@@ -61,6 +67,7 @@ def migrated_name(cfg: ChorusConfig, model: str, instance: str, target: str) -> 
     return home_instance if target == home_model else f"{home_model}{AWAY}{home_instance}"
 STOP_TIMEOUT_S = 20.0
 CATCH_UP_S = 1.0  # how often an instance checks that it serves the version in KV
+JOIN_POLL_S = 0.2  # how often an instance out of routing tries to join
 
 
 class BadRequest(ValueError):
@@ -158,26 +165,25 @@ class RollouterService(Service):
         self._gen_subs: list[Subscription] = []
         self._transport = resolve_transport(self.cfg)  # until paramsync names the trainer's
         self._controller: str | None = None  # status subject of the paramsync that paused this instance
+        self._served_seen = 0  # the highest served version a resume named: joining below it is refused
+        self._routing_lock = asyncio.Lock()  # joins and resumes decide one at a time
         if self._transport == "ucx":
             self._sink("ucx")  # start UCX now (it loads libraries and a progress thread), not in the first sync
         await self._catch_up()
         self.spawn(self.batcher.run(), "batcher")
         self._last_control = time.monotonic()
         self.spawn(self._pause_watchdog(), "pause-watchdog")
-        self.spawn(self._catch_up_loop(), "catch-up")
         self.spawn(self._load_loop(), "load-reports")
 
         for verb in VERBS:
             await self.nc.subscribe(self.names.rollout_control(self.model, self.instance, verb),
                                     cb=self._control_handler(verb))
-        served = await self._served()
-        if self.engine.version >= served:
-            await self._join_routing()
-        else:
-            self.log.warning("starting out of routing: the served version could not be loaded", served=served,
-                             have=self.engine.version)
-        # Register last: paramsync only finds this instance once its control subjects answer.
+        # Register once the control subjects answer (paramsync lists it from now on), then join routing.
         await self._register()
+        if not await self._try_join():
+            self.log.info("starting out of routing until it holds the served version and no sync is running",
+                          have=self.engine.version)
+        self.spawn(self._catch_up_loop(), "catch-up")
 
     async def teardown(self) -> None:
         assert self.model is not None
@@ -223,6 +229,38 @@ class RollouterService(Service):
     def routing(self) -> bool:
         return bool(getattr(self, "_gen_subs", None))
 
+    async def _try_join(self) -> bool:
+        """Join routing if this instance holds the served version and no sync is between listing the instances
+        and committing (see the module docstring); True if it is in routing."""
+        async with self._routing_lock:
+            if self.routing or self.stopping or self.batcher.paused:  # paused: the sync's resume decides
+                return self.routing
+            if await self._sync_running():
+                self.counters["join_waits_for_sync"] += 1
+                return False
+            served = max(await self._served(), self._served_seen)
+            if self.engine.version < served:
+                return False
+            await self._join_routing()
+            return True
+
+    async def _sync_running(self) -> bool:
+        """Whether a sync of this model is under way (phase "running" in KV, its paramsync answering probes). A
+        paramsync that died mid-sync does not hold joins up: the next one aborts its sync. Unknown (the broker
+        is away): running."""
+        assert self.model is not None
+        try:
+            entry = await self.kv.get(self.names.sync_key(self.model))
+            state = json.loads(entry.value or b"{}")
+        except nats.js.errors.KeyNotFoundError:
+            return False  # no sync ever ran
+        except (nats.errors.Error, TimeoutError, ValueError):
+            return True
+        if not isinstance(state, dict) or state.get("phase") != "running":
+            return False
+        owner = self.names.status("paramsync", self.model, str(state.get("paramsync", "0")))
+        return await probe(self.nc, owner, self.cfg.peers.probe_timeout_s) is not Liveness.DEAD
+
     async def _join_routing(self) -> None:
         if self.routing or self.stopping:
             return
@@ -265,6 +303,8 @@ class RollouterService(Service):
             if not self.stopping:
                 self.counters["re_registered"] += 1
                 self.log.warning("registration was dropped (unreachable during a sync); registering again")
+                # Unlisted, syncs pass it by: out of routing until registered and caught up (_try_join).
+                await self._leave_routing("its registration was dropped")
                 with contextlib.suppress(nats.errors.Error, TimeoutError):  # checked again within a second
                     await self._register()
         except (nats.errors.Error, TimeoutError):
@@ -354,11 +394,13 @@ class RollouterService(Service):
                                       f"{self.batcher.in_flight} requests still in flight after {ctl.timeout_s}s")
         elif verb == "resume":
             # ctl.version is the served version: an instance that could not load it stays out of routing
-            if self.engine.version >= ctl.version:
-                await self._join_routing()
-            else:
-                await self._leave_routing(f"holds v{self.engine.version}, v{ctl.version} is served")
-            self.batcher.resume()
+            async with self._routing_lock:
+                self._served_seen = max(self._served_seen, ctl.version)
+                if self.engine.version >= ctl.version:
+                    await self._join_routing()
+                else:
+                    await self._leave_routing(f"holds v{self.engine.version}, v{ctl.version} is served")
+                self.batcher.resume()
             await self._control_reply(msg, ok=True)
         elif verb == "load":
             await self._on_load(msg, ctl)
@@ -448,15 +490,22 @@ class RollouterService(Service):
         return sink
 
     async def _load_version(self, version: int, *, transport: str, object_name: str | None, checksum: str | None,
-                            timeout_s: float) -> str:
-        """Fetch ``version`` into the staging buffer, then check and load it between two batches."""
+                            timeout_s: float, forward_only: bool = False) -> str:
+        """Fetch ``version`` into the staging buffer, then check and load it between two batches. With
+        ``forward_only`` (a catch-up) a version at or below the loaded one is left alone: a sync may have loaded
+        a newer one meanwhile."""
         assert self.model is not None
         sink = self._sink(transport)
         header, body = await sink.fetch(version, object_name=object_name, timeout_s=timeout_s)
         model = self.model
+
+        def load() -> str:
+            if forward_only and self.engine.version >= header.version and self.checksum is not None:
+                return self.checksum
+            return load_weights(self.engine, model, header, body, version=version, checksum=checksum)
+
         try:
-            digest = await self.batcher.load(
-                lambda: load_weights(self.engine, model, header, body, version=version, checksum=checksum))
+            digest = await self.batcher.load(load)
         except Exception:
             sink.discard_staging()
             raise
@@ -475,23 +524,23 @@ class RollouterService(Service):
             await msg.respond(encode(reply))
 
     async def _catch_up_loop(self) -> None:
-        """Load the served version if it is ahead of ours: a sync that missed this instance (not listed, or
-        registered late) or failed on it would otherwise leave it behind; once loaded it rejoins routing."""
+        """Load the served version if it is ahead of ours: a sync that failed on this instance (or missed it: its
+        registration was dropped) would otherwise leave it behind. It leaves routing first, so no request meets
+        the old weights, and joins again once loaded."""
         while not self.stopping:
-            await asyncio.sleep(CATCH_UP_S)
+            await asyncio.sleep(CATCH_UP_S if self.routing else JOIN_POLL_S)
             if self.batcher.paused:
                 continue  # paramsync is at work
             await self._check_registered()
             served = await self._served()
             if served > self.engine.version and not self.batcher.paused:
+                await self._leave_routing(f"holds v{self.engine.version}, v{served} is served")
                 self.counters["catch_ups"] += 1
                 self.log.warning("served version is ahead of this instance; loading it", served=served,
                                  have=self.engine.version)
                 await self._catch_up()
-            if self.engine.version >= served and not self.batcher.paused:
-                await self._join_routing()
-            elif self.routing and not self.batcher.paused:
-                await self._leave_routing(f"holds v{self.engine.version}, v{served} is served")
+            if not self.batcher.paused:
+                await self._try_join()
 
     async def _committed(self) -> WeightsAnnounce | None:
         """The trainer's newest commit (KV ``weights.<model>``), or None."""
@@ -518,8 +567,8 @@ class RollouterService(Service):
         for transport in order:
             try:
                 await self._load_version(version, transport=transport, object_name=object_name, checksum=checksum,
-                                         timeout_s=self.cfg.paramsync.load_timeout_s)
-                self.log.info("caught up with served weights", version=version, transport=transport)
+                                         timeout_s=self.cfg.paramsync.load_timeout_s, forward_only=True)
+                self.log.info("caught up with served weights", version=self.engine.version, transport=transport)
                 return
             except Exception as exc:  # trainer gone, object missing, ucxx absent: try the other transport
                 errors.append(f"{transport}: {type(exc).__name__}: {exc}")

@@ -22,6 +22,7 @@ from shared.kernel.schemas import Array, DepthReport, GenOutput, GenRequest, Gen
 from shared.kernel.subjects import Names
 from shared.models.modeling import build_model
 from shared.models.tokenizer import EOS_ID, ByteTokenizer
+from tests.waits import wait_until
 
 MODELS = ("solver_lm", "verifier_lm")
 G = 4
@@ -94,11 +95,9 @@ class StandInRollouter:
 
 async def start(svc) -> asyncio.Task[int]:
     task = asyncio.create_task(svc.serve())
-    for _ in range(200):
-        if getattr(svc, "_micro", None) is not None:
-            return task
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"{svc.name} did not start")
+    await wait_until(lambda: getattr(svc, "_micro", None) is not None or task.done(), f"{svc.name} started")
+    assert not task.done(), f"{svc.name} exited with {task.result()}"
+    return task
 
 
 @pytest.fixture
@@ -203,7 +202,7 @@ async def test_full_mqs_stop_new_tasks_until_the_backlogs_drain(cluster: dict):
         for v in range(1, 5):
             await asyncio.sleep(0.25)
             trained["verifier_lm"] = 5 + v
-        await until(lambda: coord.in_flight == 0, 10)
+        await until(lambda: coord.in_flight == 0, 60)
         started = coord.counters["tasks_started"]
         await asyncio.sleep(1.0)
         assert coord.counters["tasks_started"] == started
@@ -212,14 +211,14 @@ async def test_full_mqs_stop_new_tasks_until_the_backlogs_drain(cluster: dict):
         assert coord.counters["tasks_paced"] >= 1
         # Its trainer makes no new version (stopped): after max(5 s, 4 steps) it paces no more, its mq sheds,
         # and the other model's training is not held back.
-        await until(lambda: coord.counters["tasks_started"] > started, 10)
+        await until(lambda: coord.counters["tasks_started"] > started, 60)
         assert coord.counters["tasks_started"] > started
         snap = coord.metrics_snapshot()
         assert snap["pacing"]["stuck"] == ["verifier_lm"] and snap["backpressured"] == ["verifier_lm"]
         # Every model full: tasks already in flight finish, then nothing new starts.
         reporting.add("solver_lm")
         await asyncio.sleep(0.3)
-        await until(lambda: coord.in_flight == 0, 10)
+        await until(lambda: coord.in_flight == 0, 60)
         started = coord.counters["tasks_started"]
         await asyncio.sleep(1.5)
         assert coord.counters["tasks_started"] == started
@@ -231,7 +230,7 @@ async def test_full_mqs_stop_new_tasks_until_the_backlogs_drain(cluster: dict):
     for m in MODELS:
         await nc.publish(names.depth(m), encode_json(
             DepthReport(model=m, depth=3, capacity=64, trained_version=trained[m])))
-    await until(lambda: coord.counters["tasks_started"] > started, 5)
+    await until(lambda: coord.counters["tasks_started"] > started, 60)
     assert coord.counters["tasks_started"] > started
 
 
@@ -241,10 +240,8 @@ async def test_no_new_tasks_once_every_model_trained_max_versions(cluster: dict)
     await asyncio.sleep(0.5)
     assert coord.counters["tasks_started"] > 0 or coord.in_flight > 0
     await kv_put_int_max(kv, names.trained_key("verifier_lm"), 100)
-    for _ in range(200):
-        if coord.in_flight == 0 and not coord.metrics_snapshot()["admitting"]:
-            break
-        await asyncio.sleep(0.05)
+    await wait_until(lambda: coord.in_flight == 0 and not coord.metrics_snapshot()["admitting"],
+                     "the coordinator idle")
     started = coord.counters["tasks_started"]
     await asyncio.sleep(1.0)
     assert coord.counters["tasks_started"] == started
@@ -301,14 +298,12 @@ async def test_a_debate_through_real_rollouters_publishes_whole_groups_of_every_
             svc = RollouterService(cfg, nats_url=nats_url, instance="0", model=model)
             task = asyncio.create_task(svc.serve())
             running.append((svc, task))
-            for _ in range(400):  # registered in KV = subscribed and serving
+            for _ in range(1200):
                 if task.done():
                     raise AssertionError(f"rollouter {model} exited with {task.result()}")
-                try:
-                    await actions.kv.get(names.rollouter_key(model, "0"))
+                if svc.routing:  # registered and serving
                     break
-                except Exception:  # not registered yet
-                    await asyncio.sleep(0.05)
+                await asyncio.sleep(0.05)
         js = nc.jetstream()
         subs = {m: await pull_consumer(js, stream=names.traj_stream(m), subject=names.traj(m), durable=f"d_{m}",
                                        ack_wait_s=30, max_ack_pending=10_000) for m in ("debate_lm", "critic_lm")}

@@ -41,6 +41,7 @@ from shared.kernel.subjects import Names
 from shared.models.loading import load_model, shipped_tensors
 from shared.models.tokenizer import BOS_ID
 from shared.models.weights import flatten, pack
+from tests.waits import wait_until
 
 MODEL = "m"
 
@@ -61,18 +62,11 @@ def write_config(tmp_path: Path, run_id: str, *, lora: bool = False) -> ChorusCo
 
 async def serve(svc: Service, ready: str) -> asyncio.Task[int]:
     task = asyncio.create_task(svc.serve())
-    for _ in range(400):
+    for _ in range(1200):
         if task.done():
             raise AssertionError(f"{svc.name} exited early with {task.result()}")
-        if hasattr(svc, ready):
-            if isinstance(svc, RollouterService):
-                try:
-                    await svc.kv.get(svc.names.rollouter_key(MODEL, svc.instance))
-                    return task
-                except Exception:  # not registered yet
-                    pass
-            else:
-                return task
+        if hasattr(svc, ready) and (svc.routing if isinstance(svc, RollouterService) else True):
+            return task
         await asyncio.sleep(0.05)
     raise AssertionError(f"{svc.name} did not start")
 
@@ -215,10 +209,7 @@ async def test_a_running_rollouter_that_a_sync_missed_loads_the_served_version_b
     with torch.no_grad():
         for t in r.engine.named_tensors().values():
             t.zero_()
-    for _ in range(100):
-        if r.engine.version == 6:
-            break
-        await asyncio.sleep(0.1)
+    await wait_until(lambda: r.engine.version == 6, "instance 1 at v6", interval_s=0.1)
     assert r.engine.version == 6 and r.counters["catch_ups"] >= 1
     got = r.engine.named_tensors()
     assert all(torch.equal(got[k], expected[k]) for k in expected)
@@ -261,10 +252,10 @@ async def test_a_lost_announce_is_synced_from_the_commit_point(setup: Setup) -> 
                           checksum=header.checksum, nbytes=header.nbytes)
     kv = await s.nc.jetstream().key_value(s.names.kv_bucket)
     await kv.put(s.names.weights_key(MODEL), encode(ann))
-    for _ in range(100):
-        if await kv_get_int(kv, s.names.version_key(MODEL)) == 7:
-            break
-        await asyncio.sleep(0.1)
+    async def served_7() -> bool:
+        return await kv_get_int(kv, s.names.version_key(MODEL)) == 7
+
+    await wait_until(served_7, "v7 served", interval_s=0.1)
     assert await kv_get_int(kv, s.names.version_key(MODEL)) == 7
     assert all(r.engine.version == 7 for r in s.rollouters)
     assert s.paramsync.counters["polled_commits"] >= 1 and s.paramsync.counters["announces"] == 0
@@ -352,10 +343,8 @@ async def test_a_sync_in_interrupt_mode_continues_rows_mid_generation_under_the_
         req = GenRequest(request_id="long", prompts=[Array.of(p, "int32") for p in prompts], max_new_tokens=120,
                          temperature=1.0, stop_ids=[])
         reply = asyncio.ensure_future(s.nc.request(s.names.gen(MODEL), encode(req), timeout=60))
-        for _ in range(500):
-            if r.engine.running and min(len(row.ids) for row in r.engine.running) >= 10:
-                break
-            await asyncio.sleep(0.01)
+        await wait_until(lambda: r.engine.running and min(len(row.ids) for row in r.engine.running) >= 10,
+                         "rows 10 tokens into their generation", interval_s=0.01)
         v0 = {k: v.clone() for k, v in r.engine.named_tensors().items()}
         done_sub = await s.nc.subscribe(s.names.sync_done(MODEL))
         v1 = await publish_weights(s, version=1, delta=0.02)

@@ -19,6 +19,7 @@ from shared.kernel.schemas import Array, GenRequest, GenResponse, RolloutControl
 from shared.models.loading import load_model, shipped_tensors
 from shared.models.tokenizer import BOS_ID, ByteTokenizer
 from shared.models.weights import flatten, pack
+from tests.waits import wait_until
 
 MODEL = "m"
 
@@ -35,19 +36,15 @@ def write_config(tmp_path: Path, run_id: str, window_ms: float = 50.0, extra: st
 
 
 async def start(svc: RollouterService) -> asyncio.Task[int]:
-    """Serve in this loop; return once the instance registered itself in KV."""
+    """Serve in this loop; return once the instance is in routing (registered in KV before that)."""
     task = asyncio.create_task(svc.serve())
-    for _ in range(400):
+    for _ in range(1200):
         if task.done():
             raise AssertionError(f"service exited early with {task.result()}")
-        if getattr(svc, "kv", None) is not None and hasattr(svc, "_gen_subs"):
-            try:
-                await svc.kv.get(svc.names.rollouter_key(MODEL, svc.instance))
-                return task
-            except Exception:  # not registered yet
-                pass
+        if svc.routing:
+            return task
         await asyncio.sleep(0.05)
-    raise AssertionError("rollouter did not register")
+    raise AssertionError("rollouter did not join routing")
 
 
 @pytest.fixture
@@ -140,8 +137,8 @@ async def test_requests_sent_while_paused_wait_and_are_served_after_resume(rollo
         assert (await control("pause")).ok
         pending = asyncio.create_task(nc.request(rollouter.names.gen(MODEL), request("p", ["hi"], max_new_tokens=2),
                                                  timeout=20))
-        await asyncio.sleep(0.5)
-        assert not pending.done() and rollouter.batcher.queued == 1
+        await wait_until(lambda: rollouter.batcher.queued == 1, "the request queued while paused")
+        assert not pending.done()
         info = await control("info")
         assert info.ok and info.in_flight == 0
         assert (await control("resume")).ok
@@ -172,10 +169,7 @@ async def test_pause_waits_for_in_flight_generation_to_finish(rollouter: Rollout
     try:
         gen = asyncio.create_task(nc.request(rollouter.names.gen(MODEL), request("long", ["a"] * 8, max_new_tokens=150),
                                              timeout=30))
-        for _ in range(200):
-            if rollouter.batcher.in_flight:
-                break
-            await asyncio.sleep(0.01)
+        await wait_until(lambda: rollouter.batcher.in_flight, "the request in flight", interval_s=0.01)
         assert rollouter.batcher.in_flight == 1 and rollouter.batcher.stats.requests == 0
         m = await nc.request(rollouter.names.rollout_control(MODEL, "0", "pause"),
                              encode(RolloutControl(verb="pause", timeout_s=20)), timeout=25)
@@ -199,10 +193,7 @@ async def test_a_pause_without_a_controller_expires_and_the_instance_resumes(nat
         m = await nc.request(svc.names.rollout_control(MODEL, "0", "pause"),
                              encode(RolloutControl(verb="pause", timeout_s=1)), timeout=5)
         assert decode(RolloutControlReply, m.data).ok and svc.batcher.paused
-        for _ in range(60):
-            if not svc.batcher.paused:
-                break
-            await asyncio.sleep(0.1)
+        await wait_until(lambda: not svc.batcher.paused, "the instance resumed by itself", interval_s=0.1)
         assert not svc.batcher.paused and svc.counters["auto_resumes"] == 1
     finally:
         await nc.close()

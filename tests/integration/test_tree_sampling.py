@@ -57,7 +57,7 @@ metrics_interval_s: 0.5
 async def started(svc: Any, ready: Callable[[], Awaitable[bool]]) -> tuple[Any, asyncio.Task[int]]:
     """Serve ``svc`` in this loop; return once ``ready()`` says it is up."""
     task = asyncio.create_task(svc.serve())
-    for _ in range(400):
+    for _ in range(1200):
         if task.done():
             raise AssertionError(f"{svc.name} exited with {task.result()}")
         if await ready():
@@ -70,11 +70,8 @@ async def has(svc: Any, attr: str) -> bool:
     return getattr(svc, attr, None) is not None
 
 
-async def registered(svc: Any, key: str) -> bool:
-    try:
-        return getattr(svc, "kv", None) is not None and await svc.kv.get(key) is not None
-    except Exception:  # not registered yet
-        return False
+async def routing(svc: Any) -> bool:
+    return bool(svc.routing)
 
 
 async def micro_batches(sub: Any, want: int, timeout_s: float = 90) -> list[MicroBatch]:
@@ -102,8 +99,7 @@ async def test_tree_sampled_steps_reach_the_trainer_as_whole_groups_with_one_con
         running.append(await started(actions, lambda: has(actions, "_micro")))
         for model in MODELS:
             svc = RollouterService(cfg, nats_url=nats_url, instance="0", model=model)
-            key = names.rollouter_key(model, "0")
-            running.append(await started(svc, lambda svc=svc, key=key: registered(svc, key)))
+            running.append(await started(svc, lambda svc=svc: routing(svc)))
             mq = MqService(cfg, nats_url=nats_url, model=model)
             running.append(await started(mq, lambda mq=mq: has(mq, "sub")))
         js = nc.jetstream()

@@ -52,13 +52,11 @@ def write_config(tmp_path: Path, run_id: str, transport: str, models: tuple[str,
 
 async def serve(svc: Service, registered: bool) -> asyncio.Task[int]:
     task = asyncio.create_task(svc.serve())
-    for _ in range(400):
+    for _ in range(1200):
         if task.done():
             raise AssertionError(f"{svc.name} exited early with {task.result()}")
-        if registered and hasattr(svc, "_gen_subs") and svc.model is not None:
-            with contextlib.suppress(Exception):
-                await svc.kv.get(svc.names.rollouter_key(svc.model, svc.instance))
-                return task
+        if registered and getattr(svc, "routing", False):  # registered, then in routing
+            return task
         elif not registered and hasattr(svc, "queue"):
             return task
         await asyncio.sleep(0.05)
