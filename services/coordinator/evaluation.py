@@ -138,24 +138,37 @@ async def evaluate(
     versions: Callable[[], dict[str, int]],
     tokenizers: Tokenizers,
 ) -> dict[str, Any]:
-    """Play every held-out task ``eval.samples`` times; the record written to metrics.jsonl (``"kind": "eval"``)."""
+    """Play every held-out task ``eval.samples`` times; the record written to metrics.jsonl (``"kind": "eval"``).
+
+    A task whose episode fails (a request nobody answered in time, a workflow error or time-out) is played again,
+    up to ``eval.retries`` times: a busy machine does not lower the score. One that fails every time counts as
+    wrong; ``failed`` counts those, ``retried`` the replays, ``errors`` the last error of each failed task."""
     ecfg = eval_config(cfg)
     n = cfg.eval.samples
     gate = asyncio.Semaphore(EVAL_CONCURRENCY)
     t0 = time.monotonic()
     before = dict(versions())
+    retried = 0
 
-    async def one(i: int, task: Task) -> Any:
-        async with gate:
-            return await run_episode(ecfg, task, i, workflow, generate, act, versions, tokenizers)
+    async def one(i: int, task: Task) -> Episode:
+        nonlocal retried
+        for attempt in range(cfg.eval.retries + 1):
+            try:
+                async with gate:
+                    return await run_episode(ecfg, task, i, workflow, generate, act, versions, tokenizers)
+            except Exception:
+                if attempt == cfg.eval.retries:
+                    raise
+                retried += 1
+        raise AssertionError("unreachable")
 
     results = await asyncio.gather(*(one(i, t) for i, t in enumerate(tasks)), return_exceptions=True)
     outcomes: list[TaskOutcome] = []
     used: list[int] = []
-    failed = 0
-    for ep in results:
+    errors: dict[str, str] = {}
+    for task, ep in zip(tasks, results, strict=True):
         if isinstance(ep, BaseException):
-            failed += 1
+            errors[task.task_id] = f"{type(ep).__name__}: {ep}"[:300]
             outcomes.append(TaskOutcome(final=[("", False)] * n, failed=True))
             continue
         used.extend(s.version for s in ep.samples)
@@ -167,7 +180,9 @@ async def evaluate(
         "versions": before,
         "n": len(tasks),
         "samples": n,
-        "failed": failed,
+        "failed": len(errors),
+        "retried": retried,
+        "errors": errors,
         "temperature": cfg.eval.temperature,
         **scores(outcomes, k_values(n, cfg.eval.pass_k)),
         "seconds": round(time.monotonic() - t0, 3),

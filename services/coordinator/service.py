@@ -274,7 +274,12 @@ class CoordinatorService(Service):
                              lambda: dict(self.served), self.tokenizers)
         rec["last"] = final
         self.counters["evaluations"] += 1
+        self.counters["eval_tasks_retried"] += rec["retried"]
+        self.counters["eval_tasks_failed"] += rec["failed"]
         self.log.info("evaluation", version=rec["version"], pass1=rec["pass1"], final=rec["final"], last=final)
+        if rec["failed"]:
+            self.log.warning("held-out tasks failed every attempt and count as wrong", failed=rec["failed"],
+                             attempts=self.cfg.eval.retries + 1, errors=rec["errors"])
         await asyncio.to_thread(append_line, self.cfg.run_dir / "metrics.jsonl", json.dumps(rec, separators=(",", ":")))
         await self._track_eval(rec)
         await self.event(events.EVAL, **{k: v for k, v in rec.items() if k != "kind"})

@@ -337,6 +337,9 @@ class EvalSection(Section):
     temperature: float = Field(default=0.0, ge=0.0)  # 0 = greedy
     samples: int = Field(default=1, ge=1)  # n rollouts per task: pass@1 is their mean, Maj@N their vote
     pass_k: list[int] | None = None  # the k of pass@k, each in [1, samples]; null: 1, 2, 4, ... and samples
+    # A held-out task whose episode fails (no answer in time, a workflow error) is played again up to this many
+    # times; one that fails every time counts as wrong (the record's failed, retried and errors say so).
+    retries: int = Field(default=2, ge=0)
     final_timeout_s: float = Field(default=300.0, gt=0)  # how long `chorus up` waits for the last evaluation
 
     @model_validator(mode="after")

@@ -49,7 +49,8 @@ async def test_the_tiny_run_learns_with_the_objective(nats_url, run_id, tmp_path
                  if '"kind":"eval"' in line]
         assert len(evals) >= 2 and {e["version"] for e in evals} >= {0}, evals  # at the start and on the end
         for e in evals:
-            assert e["samples"] == 8 and e["n"] == 4 and e["failed"] == 0
+            # a task whose episode fails is played again (eval.retries): under load it is replayed, not lost
+            assert e["samples"] == 8 and e["n"] == 4 and e["failed"] == 0, e["errors"]
             assert set(e["pass1"]) == {"solver", "verifier"} and 0 <= e["final"] <= 1
             for name in ("solver", "verifier", "final"):
                 at_k = e["pass_at_k"][name]

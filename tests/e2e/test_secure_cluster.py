@@ -24,6 +24,7 @@ from tests.conftest import ROOT
 from tests.e2e.cluster import Cluster
 from tests.e2e.conftest import small_run_config
 from tests.natstls import make_tls
+from tests.waits import wait_until
 
 MODELS = ["solver_lm", "verifier_lm"]
 AUTH = ROOT / "deploy" / "nats" / "auth.conf"
@@ -119,10 +120,7 @@ async def test_run_completes_on_a_tls_cluster_with_per_kind_credentials_and_deni
         with structlog.testing.capture_logs() as logs:
             await intruder.publish_quietly(names.traj(MODELS[0]), b"forged sample")
             await intruder.nc.flush()
-            for _ in range(50):
-                if intruder.counters["permission_denied"]:
-                    break
-                await asyncio.sleep(0.1)
+            await wait_until(lambda: intruder.counters["permission_denied"], "the refusal counted", interval_s=0.1)
         assert intruder.counters["permission_denied"] == 1
         assert intruder.counters["permission_denied_publish"] == 1
         assert {"event": "nats permission denied", "operation": "publish", "subject": names.traj(MODELS[0]),

@@ -17,6 +17,7 @@ from shared.kernel.subjects import Names
 from shared.launcher.supervisor import Supervisor
 from tests.e2e.cluster import Cluster
 from tests.e2e.conftest import CHORUS, small_run_config
+from tests.waits import wait_until
 
 MODELS = ["solver_lm", "verifier_lm"]
 
@@ -73,10 +74,7 @@ async def test_every_service_runs_alone_and_bad_messages_go_to_dlq(nats_url, run
         await js.publish(names.traj("solver_lm"), b"\xc1 not msgpack", headers={"Nats-Msg-Id": "garbage-1"})
         reply = await nc.request(names.gen("verifier_lm"), b"\x93\x01\x02", timeout=30)
         assert decode(GenResponse, reply.data).error
-        for _ in range(100):
-            if dlq["mq"] and dlq["rollouter"]:
-                break
-            await asyncio.sleep(0.1)
+        await wait_until(lambda: dlq["mq"] and dlq["rollouter"], "both DLQ messages", interval_s=0.1)
         assert dlq["mq"] and dlq["mq"][0].headers["Chorus-Reason"]
         assert dlq["rollouter"] and dlq["rollouter"][0].headers["Chorus-Reason"]
 

@@ -13,6 +13,7 @@ from services.actions.service import ActionsService
 from shared.kernel.codec import decode, encode
 from shared.kernel.config import load_config
 from shared.kernel.schemas import ActionRequest, ActionResult
+from tests.waits import wait_until
 
 
 @pytest.fixture
@@ -25,10 +26,7 @@ async def actions(nats_url: str, run_id: str, tmp_path) -> AsyncIterator[Actions
     )
     svc = ActionsService(load_config(p), nats_url=nats_url)
     task = asyncio.create_task(svc.serve())
-    for _ in range(200):
-        if getattr(svc, "_sub", None) is not None:
-            break
-        await asyncio.sleep(0.05)
+    await wait_until(lambda: getattr(svc, "_sub", None) is not None or task.done(), "the actions service started")
     assert getattr(svc, "_sub", None) is not None, "actions service did not start"
     yield svc
     svc.stop()

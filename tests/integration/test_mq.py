@@ -22,6 +22,7 @@ from shared.kernel.codec import decode, encode
 from shared.kernel.config import ChorusConfig, load_config
 from shared.kernel.schemas import Array, MicroBatch, Sample
 from shared.kernel.subjects import Names
+from tests.waits import wait_until
 
 MODEL = "m"
 GROUP = 2  # samples per group; micro_batch 4 -> 2 groups per micro-batch
@@ -54,10 +55,7 @@ def sample(run_id: str, key: str, i: int, version: int = 0, agent: str = "solver
 async def running_mq(cfg: ChorusConfig, nats_url: str) -> AsyncIterator[MqService]:
     svc = MqService(cfg, nats_url=nats_url, model=MODEL)
     task = asyncio.create_task(svc.serve())
-    for _ in range(200):
-        if getattr(svc, "sub", None) is not None or task.done():
-            break
-        await asyncio.sleep(0.02)
+    await wait_until(lambda: getattr(svc, "sub", None) is not None or task.done(), "mq started", interval_s=0.02)
     assert not task.done(), "mq failed to start"
     try:
         yield svc
@@ -161,10 +159,7 @@ async def test_stale_samples_are_dropped_counted_and_reported(nats_url, run_id, 
         events = await Events().start(nc, names)
         ready = await Ready(js, names).start()
         await kv_put_int_max(svc.kv, names.trained_key(MODEL), 3)
-        for _ in range(100):
-            if svc.trained_version == 3:
-                break
-            await asyncio.sleep(0.02)
+        await wait_until(lambda: svc.trained_version == 3, "mq at trained version 3", interval_s=0.02)
         # max_staleness 1 at trained version 3: version 1 is stale, 2 and 3 are fresh
         await send(js, names, [sample(run_id, "old", i, version=1) for i in range(2)]
                    + [sample(run_id, "new", i, version=2 + i) for i in range(2)]
@@ -198,10 +193,10 @@ async def test_malformed_message_goes_to_dlq_and_mq_keeps_going(nats_url, run_id
         assert len(await ready.until(1)) == 1
         assert svc.counters["dlq"] == 2
         # terminated, not redelivered: the traj stream is empty once the batch is acked
-        for _ in range(50):
-            if (await js.stream_info(names.traj_stream(MODEL))).state.messages == 0:
-                break
-            await asyncio.sleep(0.05)
+        async def traj_empty() -> bool:
+            return (await js.stream_info(names.traj_stream(MODEL))).state.messages == 0
+
+        await wait_until(traj_empty, "the trajectory stream empty")
         assert (await js.stream_info(names.traj_stream(MODEL))).state.messages == 0
 
 
@@ -209,10 +204,8 @@ async def test_full_ready_stream_pushes_back_without_losing_batches(nats_url, ru
     cfg, names = make_cfg(tmp_path, run_id, max_ready_msgs=1), Names(run_id)
     async with running_mq(cfg, nats_url) as svc, client(nats_url) as (_, js):
         await send(js, names, [sample(run_id, f"g{k}", i) for k in range(4) for i in range(2)])
-        for _ in range(100):  # the second micro-batch waits for room in the ready stream
-            if svc.counters["backpressure_waits"] > 0:
-                break
-            await asyncio.sleep(0.05)
+        # the second micro-batch waits for room in the ready stream
+        await wait_until(lambda: svc.counters["backpressure_waits"] > 0, "a backpressure wait")
         assert svc.counters["backpressure_waits"] > 0 and svc.counters["micro_batches"] == 1
         assert svc.store.depth() == 4  # held (not acked) while it waits
         batches = await (await Ready(js, names).start()).until(2)
@@ -230,10 +223,7 @@ async def test_restart_with_half_received_groups_loses_nothing(nats_url, run_id,
             # k0, k1 complete (one micro-batch); k2..k5 half received when mq stops
             await send(js, names, [sample(run_id, k, 0) for k in keys] + [sample(run_id, k, 1) for k in keys[:2]])
             assert len(await ready.until(1)) == 1
-            for _ in range(100):
-                if first.store.depth() == 4:
-                    break
-                await asyncio.sleep(0.02)
+            await wait_until(lambda: first.store.depth() == 4, "four samples held", interval_s=0.02)
             assert first.store.depth() == 4
         async with running_mq(cfg, nats_url) as second:
             # the rest, one group's first half re-sent under a new message id (a republish), and a stale group

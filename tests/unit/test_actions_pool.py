@@ -17,6 +17,7 @@ from services.actions.pool import WorkerPool
 from services.actions.sandbox_init import Unserialisable, decode, encode
 from services.actions.scheduler import FcfsScheduler
 from services.actions.verdicts import plan_tests
+from tests.waits import wait_until
 
 
 async def test_scheduler_grants_in_arrival_order_without_backfilling():
@@ -291,10 +292,8 @@ async def test_processes_started_by_the_code_are_killed_with_it(pool: WorkerPool
     code = "import subprocess\np = subprocess.Popen(['sleep', '61.2345'])\nprint(p.pid)\n" + GOOD_ADD
     out = await pool.run("run_code", {"code": code, "tests": ADD_TESTS}, 5)
     assert out.result is not None and out.result["passed"] is True and int(out.result["stdout"]) > 0
-    for _ in range(50):  # unisolated, the kill is not waited for
-        if not _running_with_arg(b"61.2345"):
-            break
-        await asyncio.sleep(0.02)
+    # unisolated, the kill is not waited for
+    await wait_until(lambda: not _running_with_arg(b"61.2345"), "the killed code gone", interval_s=0.02)
     assert _running_with_arg(b"61.2345") == []
 
 

@@ -2,17 +2,27 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from services.coordinator.evaluation import (
     TaskOutcome,
     eval_config,
+    evaluate,
     k_values,
     majority_correct,
     pass_at_k,
     scores,
 )
+from services.coordinator.tasks import Task
+from services.coordinator.workflows import BUILTIN, Abandon
 from shared.kernel.config import ChorusConfig
+from shared.models.tokenizer import ByteTokenizer
+from tests.unit.test_workflows_builtin import Actions, Script
+from tests.unit.test_workflows_builtin import config as workflow_config
+
+TOK = ByteTokenizer()
 
 
 def config(**evaluation) -> ChorusConfig:
@@ -95,3 +105,28 @@ def test_evaluation_needs_enough_held_out_tasks():
     with pytest.raises(ValueError, match=r"task.heldout \(4\) must be at least eval.tasks \(16\)"):
         ChorusConfig(models={"m": {}}, agents={"solver": {"model": "m"}, "verifier": {"model": "m"}},
                      task={"heldout": 4}, eval={"every": 5, "tasks": 16})
+
+
+
+async def test_a_held_out_task_that_fails_is_played_again_and_one_failing_every_time_counts_as_wrong():
+    cfg = workflow_config({"name": "solve_verify"}, {"solver": "m1", "verifier": "m1"}, group_size=1)
+    cfg = cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"retries": 2})})
+    tasks = [Task("flaky", "3+4=", "7"), Task("fine", "2+2=", "4"), Task("broken", "1+1=", "2")]
+    sums = {t.question: t.answer for t in tasks}
+    # the solver answers the sum it was asked; the verifier repeats the last number it read
+    script = Script({"solver": lambda text: next(a for p, a in sums.items() if p in text),
+                     "verifier": lambda text: re.findall(r"\d+", text)[-1]})
+    failures = {"flaky": 1, "broken": 99}  # the solver's calls of each task that fail before it answers
+
+    async def generate(model, adapter, prompts, **kw):
+        text = TOK.decode(prompts[0])
+        for task in tasks:
+            if text.startswith("<solver>") and task.question in text and failures.get(task.task_id, 0) > 0:
+                failures[task.task_id] -= 1
+                raise Abandon(f"no rollouter answered for {task.task_id}")
+        return await script(model, adapter, prompts, **kw)
+
+    rec = await evaluate(cfg, tasks, BUILTIN["solve_verify"], generate, Actions(), lambda: {"m1": 3}, None)
+    assert rec["n"] == 3 and rec["failed"] == 1 and rec["retried"] == 1 + 2  # flaky once, broken twice
+    assert list(rec["errors"]) == ["broken"] and "no rollouter answered" in rec["errors"]["broken"]
+    assert rec["final"] == pytest.approx(2 / 3)  # the two played tasks are right; the broken one counts as wrong

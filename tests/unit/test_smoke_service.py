@@ -3,6 +3,7 @@ import json
 
 from shared.kernel.config import load_config
 from shared.kernel.service import Service
+from tests.waits import wait_until
 
 
 class Echo(Service):
@@ -21,10 +22,7 @@ async def test_service_base_answers_status_and_publishes_metrics(nats_url, run_i
     cfg = load_config(p)
     svc = Echo(cfg, nats_url=nats_url)
     task = asyncio.create_task(svc.serve())
-    for _ in range(100):
-        if getattr(svc, "_micro", None) is not None:
-            break
-        await asyncio.sleep(0.05)
+    await wait_until(lambda: getattr(svc, "_micro", None) is not None, "the service started")
     sub = await svc.nc.subscribe(svc.names.metrics("echo", "0"))
     msg = await sub.next_msg(timeout=2)
     assert json.loads(msg.data)["service"] == "echo"
