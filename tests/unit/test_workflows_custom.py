@@ -179,7 +179,7 @@ async def test_a_failing_rollout_cancels_the_others_instead_of_leaving_them_wait
     t0 = time.monotonic()
     with pytest.raises(WorkflowError, match="RuntimeError"):
         await play(cfg, Script({}))
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < 20  # not the 30 s the other rollout sleeps
 
 
 # --- the judge -----------------------------------------------------------------------------------------------
