@@ -324,15 +324,17 @@ class ExperienceStore(Generic[H]):
         if sid in self._seen:
             self.duplicates += 1
             return AddResult(AddKind.SEEN, settle=handle)
+        # A stale sample is STALE whatever became of its group: the same samples get the same reason whether they
+        # arrive in one fetch or in several.
         reason = None
         if self.finished:
             reason = FINISHED
+        elif self._stale(version):
+            reason = STALE
         elif key in self._dead:
             reason = GROUP_DROPPED
         elif self._episode and (key in self._closed or self._taken(key)):
             reason = LATE
-        elif self._stale(version):
-            reason = STALE
         if reason is None:
             return None
         self._seen.add(sid)

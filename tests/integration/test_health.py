@@ -41,7 +41,7 @@ def test_health_answers_for_a_live_service_of_the_run_and_fails_with_a_reason_ot
         assert "waiting for the run id" in waiting.stderr.readline()  # (or "" if it exited)
         t0 = time.monotonic()
         waiting.send_signal(signal.SIGTERM)
-        assert waiting.wait(timeout=5) == 0 and time.monotonic() - t0 < 3
+        assert waiting.wait(timeout=60) == 0 and time.monotonic() - t0 < 30  # exit 0 on the signal, no hang
 
         out = chorus(*probe, "--run-file", str(run_file))
         assert out.returncode == 1 and "no run id in" in out.stderr

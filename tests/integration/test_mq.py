@@ -92,7 +92,7 @@ class Ready:
                                        durable=self.names.trainer_consumer(MODEL), ack_wait_s=30, max_ack_pending=100)
         return self
 
-    async def until(self, n_batches: int, timeout: float = 10.0) -> list[tuple[MicroBatch, str]]:
+    async def until(self, n_batches: int, timeout: float = 60.0) -> list[tuple[MicroBatch, str]]:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while len(self.batches) < n_batches and loop.time() < deadline:
@@ -120,7 +120,7 @@ class Events:
     def ids(self) -> list[str]:
         return [sid for ev in self.drops for sid in ev["sample_ids"]]
 
-    async def until(self, n_ids: int, timeout: float = 10.0) -> list[str]:
+    async def until(self, n_ids: int, timeout: float = 60.0) -> list[str]:
         for _ in range(int(timeout / 0.05)):
             if len(self.ids()) >= n_ids:
                 break
@@ -171,7 +171,7 @@ async def test_stale_samples_are_dropped_counted_and_reported(nats_url, run_id, 
         # the trainer moves on: the held half group becomes stale and is dropped, too
         await kv_put_int_max(svc.kv, names.trained_key(MODEL), 4)
         assert sorted(await events.until(3)) == ["half_0_0", "old_0_0", "old_0_1"]
-        assert all(ev["reason"] == "stale" and ev["model"] == MODEL for ev in events.drops)
+        assert all(ev["reason"] == "stale" and ev["model"] == MODEL for ev in events.drops), events.drops
         assert svc.counters["dropped_stale"] == 3 and svc.store.depth() == 0
 
 

@@ -142,7 +142,8 @@ def test_released_take_is_available_again_and_not_dropped_while_processing() -> 
     take = store.take_micro_batch(1)
     assert take is not None and store.take_micro_batch(1) is None
     assert store.set_trained_version(5) == []  # in flight: the trainer filters it
-    assert store.add(sample("a", 2), 3).dropped[0].reason == LATE
+    assert store.add(sample("a", 2, version=5), 3).dropped[0].reason == LATE  # its group is being dispatched
+    assert store.add(sample("a", 3), 4).dropped[0].reason == STALE  # stale is stale, whatever its group's state
     store.release(take)
     assert ids(store.set_trained_version(6)) == {STALE: ["a_0_0", "a_0_1"]}
 
@@ -467,3 +468,16 @@ def test_every_sample_ends_once_and_episode_groups_are_never_split(
     if grouping == "episode":
         assert all(c == 1 for c in group_takes.values())  # a group is dispatched in one piece
     assert sorted(returned.elements()) == given_handles  # every handle settled exactly once
+
+
+def test_the_members_of_a_stale_group_are_stale_whether_they_arrive_together_or_apart() -> None:
+    # apart: each member is stale on arrival, also after the first one took its group down
+    store: ExperienceStore[int] = ExperienceStore("m", max_staleness=1)
+    store.set_trained_version(3)
+    reasons = [d.reason for i in range(2) for d in store.add(sample("old", i, version=1), i).dropped]
+    assert reasons == [STALE, STALE]
+    # together: held before the trainer moved on, then dropped with the group
+    store = ExperienceStore("m", max_staleness=1)
+    for i in range(2):
+        assert not store.add(sample("old", i, version=1), i).dropped
+    assert ids(store.set_trained_version(3)) == {STALE: ["old_0_0", "old_0_1"]}
