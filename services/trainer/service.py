@@ -266,7 +266,7 @@ class TrainerService(Service):
         assert self.model is not None
         if reason == FINISHED:
             self.counters["dropped_finished"] += len(ids)
-        drop = DropEvent(model=self.model, sample_ids=ids, reason=detail, count=len(ids))
+        drop = DropEvent(model=self.model, sample_ids=ids, reason=reason, count=len(ids), detail=detail)
         return await self.record(events.DROP, drop.record_id, **drop.model_dump(mode="json", exclude={"schema_"}))
 
     async def _without_invalid(self, subject: str, mb: MicroBatch) -> list[Sample] | None:

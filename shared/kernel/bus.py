@@ -71,7 +71,10 @@ async def connect(url: str, name: str, *, timeout_s: float = 5.0, nats_cfg: Nats
         log.warning("nats error", error=str(exc), client=name)
 
     async def on_disconnect() -> None:
-        log.warning("nats disconnected", client=name)
+        if nc.is_closed:  # our own close (drain, shutdown): not a fault
+            log.debug("nats connection closed", client=name)
+        else:
+            log.warning("nats disconnected", client=name)
 
     async def on_reconnect() -> None:
         log.info("nats reconnected", client=name)

@@ -6,9 +6,12 @@ the path of the bad key.
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import os
 import re
+import types
+import typing
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Literal
@@ -649,6 +652,30 @@ def env_variable(loc: tuple[Any, ...] | list[Any]) -> str | None:
     return None
 
 
+def _unwrap(annotation: Any) -> Any:
+    """``X | None`` -> ``X``."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        inner = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return inner[0] if len(inner) == 1 else annotation
+    return annotation
+
+
+def known_keys(loc: tuple[int | str, ...] | list[int | str]) -> list[str]:
+    """The keys the config section at ``loc`` (keys, model or agent names, list indices) accepts; [] where the
+    keys are free names (models, agents)."""
+    annotation: Any = ChorusConfig
+    for part in loc:
+        annotation = _unwrap(annotation)
+        if typing.get_origin(annotation) in (dict, list):
+            annotation = typing.get_args(annotation)[-1]  # ``part`` is a model or agent name, or a list index
+        elif isinstance(annotation, type) and issubclass(annotation, BaseModel) and str(part) in annotation.model_fields:
+            annotation = annotation.model_fields[str(part)].annotation
+        else:
+            return []
+    annotation = _unwrap(annotation)
+    return list(annotation.model_fields) if isinstance(annotation, type) and issubclass(annotation, BaseModel) else []
+
+
 def _format_error(exc: ValidationError, source: str) -> str:
     errors = exc.errors()
     found = [env_variable(err["loc"]) if source != "<kv>" and err["loc"] else None for err in errors]
@@ -668,7 +695,10 @@ def _format_error(exc: ValidationError, source: str) -> str:
                 continue
         path = path or "<root>"
         if err["type"] == "extra_forbidden":
-            msg = "unknown key (check the spelling against configs/ and docs/config.md)"
+            close = difflib.get_close_matches(str(err["loc"][-1]), known_keys(err["loc"][:-1]), n=1, cutoff=0.6)
+            where = ".".join([*(str(p) for p in err["loc"][:-1]), close[0]]) if close else ""
+            msg = (f"unknown key, did you mean {where}?" if close else
+                   "unknown key (check the spelling against configs/ and docs/config.md)")
         elif err["type"] == "missing":
             msg = "required key is missing"
         got = err.get("input")

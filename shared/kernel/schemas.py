@@ -321,8 +321,9 @@ class DropEvent(Message):
 
     model: str
     sample_ids: list[str]
-    reason: str
+    reason: str  # one word: stale, finished, overflow, group_dropped, late, invalid, learner_error, nonfinite_grad
     count: int
+    detail: str = ""  # the particulars in words ("staleness > 1 at trainer version 49")
 
     @property
     def record_id(self) -> str:

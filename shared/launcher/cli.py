@@ -12,18 +12,19 @@ from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
 import typer
-from rich.console import Console, Group, RenderableType
+from rich.console import Group, RenderableType
 from rich.live import Live
 from rich.table import Table
 
 from shared.kernel.config import ChorusConfig, ConfigError, load_config
 from shared.kernel.logs import setup_logging
 from shared.kernel.subjects import SERVICES, Names
+from shared.launcher.progress import make_console
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Chorus: asynchronous multi-agent, multi-model LLM RL on NATS JetStream.")
-console = Console()
-err = Console(stderr=True)
+console = make_console()
+err = make_console(stderr=True)
 
 ConfigOpt = Annotated[Path, typer.Option("--config", "-c", help="run config YAML")]
 NatsOpt = Annotated[str | None, typer.Option("--nats", help="NATS URL (overrides nats.url)")]
@@ -55,6 +56,28 @@ def _options(
                                           help="print the version and exit")] = False,
 ) -> None:
     """Chorus: asynchronous multi-agent, multi-model LLM RL on NATS JetStream."""
+
+
+SHIPPED_CONFIGS = Path(__file__).resolve().parents[2] / "configs"  # the configs/ of a source checkout
+
+
+def find_config(config: Path) -> Path:
+    """A config given as a path, or by the name of a shipped one: ``tiny-chain`` is ``configs/tiny-chain.yaml``
+    (in the working directory, else in the checkout chorus runs from). A name found nowhere is returned as is:
+    loading it says that the file does not exist, and which configs there are."""
+    if config.exists() or config.suffix in (".yaml", ".yml") or len(config.parts) > 1:
+        return config
+    for folder in (Path("configs"), SHIPPED_CONFIGS):
+        for suffix in (".yaml", ".yml"):
+            candidate = folder / f"{config}{suffix}"
+            if candidate.is_file():
+                return candidate
+    return config
+
+
+def shipped_names() -> list[str]:
+    folder = Path("configs") if Path("configs").is_dir() else SHIPPED_CONFIGS
+    return sorted(p.stem for p in folder.glob("*.yaml")) if folder.is_dir() else []
 
 
 def _load(config: Path, run: str | None = None) -> ChorusConfig:
@@ -176,7 +199,8 @@ def health(
 
 @app.command()
 def up(
-    config: Annotated[Path | None, typer.Argument(help="run config YAML (leave out with --resume)")] = None,
+    config: Annotated[Path | None, typer.Argument(
+        help="run config YAML, or the name of one in configs/ (tiny-chain, demo, ...); leave out with --resume")] = None,
     timeout_s: Annotated[float | None, typer.Option("--timeout-s", help="fail if not finished in time")] = None,
     resume: Annotated[Path | None, typer.Option(
         "--resume", help="continue the run in this directory (runs/<run-id>) after it was stopped or killed")] = None,
@@ -206,10 +230,14 @@ def up(
                   "(chorus up --resume runs/<run-id>)")
         raise typer.Exit(2)
     setup_logging(json=False, level="ERROR")  # the progress view is the output; client reconnect chatter is not
+    if config is not None:
+        config = find_config(config)
     try:
         code = uvloop.run(run_up(config, timeout_s=timeout_s, console=console, resume=resume, run_id=run))
     except ConfigError as exc:
-        err.print(f"[red]error:[/] {exc}", highlight=False)
+        names = shipped_names()
+        hint = f" (shipped configs: {', '.join(names)})" if names and config is not None and not config.exists() else ""
+        err.print(f"[red]error:[/] {exc}{hint}", highlight=False)
         raise typer.Exit(2) from None
     except BrokerUnreachable as exc:  # nats.url names a server that does not answer
         err.print(f"[red]error:[/] {exc}", highlight=False)

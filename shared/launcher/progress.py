@@ -2,14 +2,38 @@
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from shared.kernel import events
+
+# Drop reasons (DropEvent.reason) as a user reads them, after the number of samples.
+DROP_WORDS = {
+    "stale": "too stale to train (train.max_staleness)",
+    "finished": "arrived after the last version (train.max_versions)",
+    "overflow": "shed to keep the experience store within mq.capacity",
+    "group_dropped": "lost with their group (a member was dropped)",
+    "late": "arrived after their group was trained",
+    "invalid": "invalid (see the DLQ)",
+    "learner_error": "failed in the learner",
+    "nonfinite_grad": "gave a non-finite gradient",
+}
+WIDE = 160  # columns of the output when it is not a terminal (a pipe, a log file, a container's stdout)
+
+
+def make_console(*, stderr: bool = False) -> Console:
+    """The console of the ``chorus`` command. On a terminal: its width. Elsewhere lines are never wrapped (a log
+    holds whole lines, a grep finds whole values) and tables get ``WIDE`` columns, or ``COLUMNS`` when set."""
+    console = Console(stderr=stderr)
+    if console.is_terminal:
+        return console
+    return Console(stderr=stderr, soft_wrap=True, width=None if os.environ.get("COLUMNS") else WIDE)
 
 
 @dataclass
@@ -62,14 +86,20 @@ class RunTracker:
             p.done = True
 
     def sample_lines(self) -> list[str]:
-        """Per model: samples trained and dropped (by reason), stale drops as a share of trained + stale."""
+        """Per model: samples trained and dropped, each reason once and in words; stale drops as a share of trained
+        + stale (what the staleness bound cost)."""
         out = []
         for name, p in sorted(self.models.items()):
-            stale = p.dropped.get("stale", 0)
-            share = stale / (stale + p.trained) if stale + p.trained else 0.0
-            others = ", ".join(f"{r} {n}" for r, n in sorted(p.dropped.items()) if r != "stale")
-            out.append(f"{name}: {p.trained} samples trained, {stale} dropped as stale ({share:.1%})"
-                       + (f"; other drops: {others}" if others else ""))
+            if not p.dropped:
+                out.append(f"{name}: {p.trained} samples trained, none dropped")
+                continue
+            parts = []
+            for reason, n in sorted(p.dropped.items(), key=lambda kv: (-kv[1], kv[0])):
+                words = DROP_WORDS.get(reason, reason)
+                if reason == "stale":
+                    words += f", {n / (n + p.trained):.1%} of trained + stale"
+                parts.append(f"{n} {words}")
+            out.append(f"{name}: {p.trained} samples trained; {sum(p.dropped.values())} dropped: {'; '.join(parts)}")
         return out
 
     def on_trained_version(self, model: str, version: int) -> None:

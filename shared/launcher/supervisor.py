@@ -37,7 +37,7 @@ from shared.kernel.service import EX_RUN_FAILED, START_WAIT_S
 from shared.kernel.subjects import Names
 from shared.launcher.deploy import unique_run_id
 from shared.launcher.natsserver import NatsServer
-from shared.launcher.progress import ProgressView, RunTracker
+from shared.launcher.progress import ProgressView, RunTracker, make_console
 from shared.results.plotting import eval_table_rows, load_evals, plot_run, plot_training, summarize
 
 STOP_GRACE_S = 20.0
@@ -305,7 +305,7 @@ async def run_up(config_path: Path | None, *, timeout_s: float | None = None, co
     """Run a whole config to ``train.max_versions``, or continue the run in directory ``resume``. A new run whose
     id already has streams or buckets on the server is refused (exit 1): resume it, or ``chorus clean`` it.
     Exit code: 0 done, 1 failure/timeout/refused, 130 interrupted."""
-    console = console or Console()
+    console = console or make_console()
     embedded = False
     if resume is not None:
         cfg, embedded = resume_run(resume)

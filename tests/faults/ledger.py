@@ -223,9 +223,9 @@ class Ledger:
                 for sid in ids:
                     trained_at[m][sid].add(v)
             elif rec.get("kind") == "drop":
-                reason = str(rec.get("reason") or "")
+                reason = str(rec.get("reason") or "?")  # one word (DropEvent.reason)
                 for sid in rec.get("sample_ids") or []:
-                    dropped[m].setdefault(sid, _reason(reason))
+                    dropped[m].setdefault(sid, reason)
         for m, r in out.items():
             r.published = len(self.published[m])
             r.stored = (await js.stream_info(self.names.traj_stream(m))).state.last_seq
@@ -264,10 +264,3 @@ def violations(reports: dict[str, ModelReport], max_versions: int) -> list[str]:
         if r.accounted != r.stored:
             out.append(f"{m}: {r.stored} samples stored in the traj stream, {r.accounted} trained or dropped")
     return out
-
-
-def _reason(text: str) -> str:
-    """The kind of a drop reason: mq's are single words, the trainer's start with one
-    ("staleness > 2 at trainer version 7", "finished: ...")."""
-    word = text.split(":")[0].split(" ")[0] or "?"
-    return "stale" if word == "staleness" else word

@@ -157,7 +157,7 @@ async def test_trainer_steps_publishes_weights_drops_stale_and_rejects_malformed
         await publish_batch(js, names, run_id, "c", version=0)
         await wait_until(lambda: watch.kinds("drop"), what="a drop event")
         drop = watch.kinds("drop")[0]
-        assert drop["reason"].startswith("staleness")
+        assert drop["reason"] == "stale" and drop["detail"].startswith("staleness > 0 at trainer version 1"), drop
         assert drop["count"] == 4 and sorted(drop["sample_ids"]) == [f"c_0_{i}" for i in range(4)]
         mb = MicroBatch(batch_id="a-again", model=MODEL, samples=group(run_id, "a", version=1))
         await js.publish(names.ready(MODEL), encode(mb), headers={"Nats-Msg-Id": "a-again"})
@@ -202,9 +202,9 @@ async def test_trainer_steps_publishes_weights_drops_stale_and_rejects_malformed
         # At max_versions the trainer stays up and trains nothing more: later samples are dropped as finished
         # (recorded, then acked), so every sample of the run is accounted for.
         await publish_batch(js, names, run_id, "h", version=3)
-        await wait_until(lambda: [d for d in watch.kinds("drop") if d["reason"].startswith("finished")],
+        await wait_until(lambda: [d for d in watch.kinds("drop") if d["reason"] == "finished"],
                          what="the finished drop")
-        finished = [d for d in watch.kinds("drop") if d["reason"].startswith("finished")][0]
+        finished = [d for d in watch.kinds("drop") if d["reason"] == "finished"][0]
         assert sorted(finished["sample_ids"]) == [f"h_0_{i}" for i in range(4)]
         assert svc.counters["dropped_finished"] == 4
         assert await kv_get_int(kv, names.trained_key(MODEL)) == 3

@@ -512,4 +512,9 @@ def test_the_run_tracker_counts_trained_and_dropped_samples_once_each() -> None:
                {"kind": "drop", "model": "m", "reason": "invalid", "count": 1, "sample_ids": ["c"]},
                {"kind": "drop", "model": "other", "reason": "stale", "count": 9, "sample_ids": ["d"]}):
         t.on_event(ev)
-    assert t.sample_lines() == ["m: 32 samples trained, 2 dropped as stale (5.9%); other drops: invalid 1"]
+    assert t.sample_lines() == ["m: 32 samples trained; 3 dropped: 2 too stale to train (train.max_staleness), "
+                                "5.9% of trained + stale; 1 invalid (see the DLQ)"]
+    t.on_event({"kind": "drop", "model": "m", "reason": "finished", "count": 4, "sample_ids": ["e", "f", "g", "h"],
+                "detail": "finished: arrived after train.max_versions (10)"})
+    assert t.sample_lines()[0].startswith("m: 32 samples trained; 7 dropped: 4 arrived after the last version")
+    assert RunTracker.for_models(["n"], 10).sample_lines() == ["n: 0 samples trained, none dropped"]

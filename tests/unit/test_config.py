@@ -45,6 +45,20 @@ def test_unknown_key_error_names_the_dotted_path(tmp_path: Path) -> None:
     assert "unknown key" in str(exc.value)
 
 
+def test_a_misspelt_key_gets_the_closest_known_one(tmp_path: Path) -> None:
+    data = {**BASE, "train": {"max_verions": 3}, "models": {"a": {"optim": {"lrr": 0.1}, "lora": {"rank": 4}}, "b": {}},
+            "agents": {"solver": {"model": "a", "adaptr": "s"}, "verifier": {"model": "b"}}, "workflw": {}}
+    with pytest.raises(ConfigError) as exc:
+        load_config(_write(tmp_path, data))
+    text = str(exc.value)
+    assert "train.max_verions: unknown key, did you mean train.max_versions?" in text
+    assert "models.a.optim.lrr: unknown key, did you mean models.a.optim.lr?" in text
+    assert "agents.solver.adaptr: unknown key, did you mean agents.solver.adapter?" in text
+    assert "workflw: unknown key, did you mean workflow?" in text
+    # nothing close: no guess, the pointer to the reference
+    assert "models.a.lora.rank: unknown key (check the spelling against configs/ and docs/config.md)" in text
+
+
 def test_bad_value_error_names_path_and_value(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"workflow\.group_size.*got 0"):
         load_config(_write(tmp_path, {**BASE, "workflow": {"group_size": 0}}))

@@ -4,6 +4,7 @@ progress as lines, the service's --exit-when-done switch."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from importlib.metadata import version
@@ -23,6 +24,14 @@ def test_version_prints_the_package_version() -> None:
     r = subprocess.run([CHORUS, "--version"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0
     assert r.stdout.strip() == f"chorus {version('chorus')}"
+
+
+def test_help_lists_flags_without_a_value_type() -> None:
+    for args in ([], ["up"], ["serve"]):
+        r = subprocess.run([CHORUS, *args, "--help"], capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "COLUMNS": "120"})
+        assert r.returncode == 0, r.stderr
+        assert "--help" in r.stdout and "<bool>" not in r.stdout and "BOOLEAN" not in r.stdout, r.stdout
 
 
 def test_a_bad_environment_override_names_the_variable_not_the_file(tmp_path: Path,
@@ -75,6 +84,26 @@ def test_json_logs_hold_only_json_lines_with_warnings_stdlib_and_transformers_re
     for text in ("ours", "a library warning", "a stdlib record", "a transformers record"):
         assert text in events, r.stderr
     assert all(x["run"] == "r" and "level" in x for x in lines)
+
+
+# A service's own order: its module imports torch, transformers and tqdm first, then main_for sets up the logs;
+# transformers' GGUF loading draws a tqdm bar of its own.
+SERVICE_ORDER = """
+import sys
+import services.trainer.service
+from shared.kernel.logs import setup_logging
+setup_logging(run="r").info("ours")
+from tqdm.auto import tqdm
+for _ in tqdm(range(3), desc="Converting and de-quantizing GGUF tensors..."):
+    pass
+"""
+
+
+def test_a_service_logs_no_progress_bar_of_a_library_imported_before_its_logs() -> None:
+    r = subprocess.run([sys.executable, "-c", SERVICE_ORDER], capture_output=True, text=True, timeout=120,
+                       env={k: v for k, v in os.environ.items() if not k.startswith(("TQDM_", "HF_HUB_"))})
+    assert r.returncode == 0, r.stderr
+    assert [json.loads(line)["event"] for line in r.stderr.splitlines()] == ["ours"], r.stderr
 
 
 def test_progress_as_a_log_line() -> None:
