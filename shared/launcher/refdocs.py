@@ -284,20 +284,48 @@ def messages_md() -> str:
 
 
 # --- events.md and metrics ----------------------------------------------------------------------
+# What the placeholder of a counter named by an f-string (``counters[f"{what}_retries"]``) stands for.
+COUNTER_PLACEHOLDERS = {
+    "what": "`gen` (generation requests) or `act` (action requests)",
+    "verb": "a control verb: `pause`, `load`, `resume`, `info`, `migrate`",
+    "transport": "a weight transport: `ucx` or `nats`",
+    "reason": "a drop reason: `stale`, `group_dropped`, `late`, `overflow`, `finished`",
+    "how": "`ready` (micro-batches sent to the trainer) or `depth` (depth reports)",
+    "operation": "`publish` or `subscribe`",
+}
+
+
+def _counter_name(node: ast.AST) -> str | None:
+    """The counter ``counters[...]`` or ``self.counters[...]`` names: a constant, or an f-string as a pattern with
+    ``<placeholder>``s."""
+    if not (isinstance(node, ast.Subscript) and (isinstance(node.value, ast.Name) and node.value.id == "counters"
+                                                 or isinstance(node.value, ast.Attribute)
+                                                 and node.value.attr == "counters")):
+        return None
+    key = node.slice
+    if isinstance(key, ast.Constant) and isinstance(key.value, str):
+        return key.value
+    if isinstance(key, ast.JoinedStr):
+        return "".join(str(v.value) if isinstance(v, ast.Constant) else f"<{ast.unparse(v.value).split('.')[-1]}>"
+                       for v in key.values if isinstance(v, ast.Constant | ast.FormattedValue))
+    return None
+
+
+def _counters_in(source: str) -> set[str]:
+    return {name for node in ast.walk(ast.parse(source)) if (name := _counter_name(node)) is not None}
+
+
 def _service_metric_names() -> dict[str, tuple[list[str], list[str]]]:
-    """Per service package: the counter names it increments (``counters["x"]``) and the keys of the gauges its
-    ``extra_metrics``/``periodic_metrics`` return, read from the source."""
+    """Per service package: the counter names it increments (``counters["x"]``, patterns for f-strings) and the
+    keys of the gauges its ``extra_metrics``/``periodic_metrics`` return, read from the source."""
     out: dict[str, tuple[list[str], list[str]]] = {}
     for pkg in sorted(p for p in SERVICES_DIR.iterdir() if (p / "service.py").is_file()):
         counters: set[str] = set()
         gauges: set[str] = set()
         for src in sorted(pkg.rglob("*.py")):
             tree = ast.parse(src.read_text())
+            counters |= _counters_in(src.read_text())
             for node in ast.walk(tree):
-                if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) \
-                        and node.value.attr == "counters" and isinstance(node.slice, ast.Constant) \
-                        and isinstance(node.slice.value, str):
-                    counters.add(node.slice.value)
                 if isinstance(node, ast.FunctionDef) and node.name in ("extra_metrics", "periodic_metrics") \
                         and src.name == "service.py":
                     for ret in ast.walk(node):
@@ -314,7 +342,12 @@ def events_md() -> str:
     out = [HEADER, "# Event kinds and metrics\n\n## Events\n\n",
            "Published as JSON on `chorus.<run>.events.<service>` and kept in the run's events stream "
            "(`shared/kernel/events.py`). Every event also has `kind`, `instance`, `model` and `time`. Records are written "
-           "to the stream and acknowledged before what they report is acked (the run's ledger).\n\n",
+           "to the stream and acknowledged before what they report is acked (the run's ledger).\n\n"
+           "Delivery is at least once: a service that dies after writing a record and before acking what it reports "
+           "writes it again when it is restarted (a restarted trainer records its last committed step again: the same "
+           "`version` and the same `sample_ids`). A subscriber deduplicates `step` events by (`model`, `version`) and "
+           "`drop` events by (`model`, `reason`, sorted `sample_ids`); the events stream deduplicates records that "
+           "arrive within its window by their id (`Nats-Msg-Id`), so a second copy is rare.\n\n",
            "| kind | service | record | fields | description |\n|---|---|---|---|---|\n"]
     for e in EVENTS:
         out.append(f"| `{e.kind}` | {e.service} | {'yes' if e.record else ''} | {_cell(e.fields)} | "
@@ -322,17 +355,20 @@ def events_md() -> str:
     out.append("\n## Metrics\n\nEvery service instance publishes JSON on `chorus.<run>.metrics.<service>.<id>` every "
                "`metrics_interval_s` and answers the same snapshot on its status endpoint: `service`, `instance`, "
                "`model`, `run`, `time`, `uptime_s`, `counters` (below), `peers` (the peer watch's counters), and "
-               "the service's gauges (below). Counters are totals since the process started.\n\n"
+               "the service's gauges (below). `<id>` is `<model>-<instance>` for the services of one model (mq, "
+               "trainer, paramsync, rollouter: `metrics.rollouter.solver_lm-0`; a migrated rollouter is "
+               "`<model>-<home model>--<home instance>`) and `<instance>` for those of the run (coordinator, actions: "
+               "`metrics.coordinator.0`). Counters are totals since the process started; a counter appears once it "
+               "is first incremented.\n\n"
                "| service | counters | gauges |\n|---|---|---|\n")
     for service, (counters, gauges) in _service_metric_names().items():
         out.append(f"| {service} | {', '.join(f'`{c}`' for c in counters)} | "
                    f"{', '.join(f'`{g}`' for g in gauges)} |\n")
     from shared.kernel.service import Service
 
-    base = sorted({n.slice.value for n in ast.walk(ast.parse(inspect.getsource(Service)))
-                   if isinstance(n, ast.Subscript) and isinstance(n.slice, ast.Constant)
-                   and isinstance(n.value, ast.Attribute) and n.value.attr == "counters"})
+    base = sorted(_counters_in(inspect.getsource(Service)))
     out.append(f"| (every service) | {', '.join(f'`{c}`' for c in base)} | |\n")
+    out.append("\nIn a counter's name, " + "; ".join(f"`<{k}>` is {v}" for k, v in COUNTER_PLACEHOLDERS.items()) + ".\n")
     return "".join(out)
 
 

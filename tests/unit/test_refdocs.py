@@ -43,3 +43,19 @@ def test_every_event_the_services_publish_is_declared() -> None:
                     and arg.value.id == "events", f"{src}:{node.lineno}: use a kind from shared/kernel/events.py"
                 used.add(getattr(events, arg.attr))
     assert used and used <= declared
+
+
+def test_every_counter_is_listed_with_its_placeholders_explained() -> None:
+    import re
+
+    from shared.launcher.refdocs import COUNTER_PLACEHOLDERS, events_md
+
+    text = events_md()
+    # a counter held in a local name, and counters named by f-strings, as patterns
+    for name in ("gen_no_responders", "<what>_retries", "control_<verb>", "dropped_<reason>",
+                 "permission_denied_<operation>", "eval_tasks_retried", "join_waits_for_sync"):
+        assert f"`{name}`" in text, name
+    rows = "\n".join(line for line in text.split("## Metrics")[1].splitlines() if line.startswith("| "))
+    used = set(re.findall(r"`[a-z_]*<(\w+)>[a-z_]*`", rows))
+    assert used and used <= set(COUNTER_PLACEHOLDERS), used - set(COUNTER_PLACEHOLDERS)
+    assert "at least once" in text and "`<model>-<instance>`" in text
