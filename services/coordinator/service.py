@@ -17,6 +17,7 @@ from nats.aio.msg import Msg
 from services.coordinator.admission import Admission, BatchGate, Pacer, expected_samples
 from services.coordinator.evaluation import evaluate
 from services.coordinator.failures import FailureLog, error_key, root_cause
+from services.coordinator.keepbest import BestKeeper
 from services.coordinator.routing import NoInstance, RolloutRouter
 from services.coordinator.tasks import Task, TaskSource, heldout_tasks
 from services.coordinator.workflows import (
@@ -116,6 +117,7 @@ class CoordinatorService(Service):
             self.gate = BatchGate(self.models, cfg.train.global_batch, expected)
         self.served: dict[str, int] = {}
         await self._poll_versions()
+        self.best = BestKeeper(self.js, self.names, cfg.run_dir, self.models)
         # Same seed, same questions; the time-based prefix keeps ids unique across coordinator restarts
         # (the trainer deduplicates by sample id).
         prefix = f"c{self.instance}x{int(time.time() * 1000):x}".replace("_", "").replace("-", "")
@@ -207,12 +209,13 @@ class CoordinatorService(Service):
     async def _on_sync_done(self, msg: Msg) -> None:
         model = msg.subject.rsplit(".", 2)[-2]
         try:
-            self.decode_own(SyncDone, msg.data, model)
+            done = self.decode_own(SyncDone, msg.data, model)
         except DecodeError as exc:
             await self.to_dlq(msg.subject, msg.data, exc.reason)
             return
         if model not in self.models:
             return
+        self.best.synced(model, done.version, done.object_name)
         try:
             self.served[model] = max(self.served.get(model, 0),
                                      await kv_get_int(self.kv, self.names.version_key(model)))
@@ -270,9 +273,13 @@ class CoordinatorService(Service):
 
     # --- held-out evaluation --------------------------------------------------------------
     async def _evaluate(self, final: bool) -> None:
+        served = dict(self.served)
+        staged = await self.best.stage(served)  # the weights about to be scored, in case they are the best
         rec = await evaluate(self.cfg, self.heldout, self.workflow, self._generate, self._act,
                              lambda: dict(self.served), self.tokenizers)
         rec["last"] = final
+        rec["best"] = await self.best.settle(rec, staged, served)
+        self.counters["best_copy_errors"] = self.best.errors
         self.counters["evaluations"] += 1
         self.counters["eval_tasks_retried"] += rec["retried"]
         self.counters["eval_tasks_failed"] += rec["failed"]

@@ -210,6 +210,7 @@ class ParamSyncService(Service):
             if not r.reachable:  # its process is gone (or cut off): drop the registration it left behind
                 await self._deregister(r.instance)
         done = SyncDone(model=self.model, version=ann.version, loaded=outcome.loaded, failed=outcome.failed,
+                        object_name=ann.object_name,
                         seconds=round(time.perf_counter() - t0, 4))
         await self.nc.publish(self.names.sync_done(self.model), encode(done))
         self.counters["syncs"] += 1

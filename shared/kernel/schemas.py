@@ -243,6 +243,7 @@ class SyncDone(Message):
     loaded: list[str]  # instances that acked with the right checksum
     failed: dict[str, str] = Field(default_factory=dict)  # instance -> reason
     seconds: float = 0.0
+    object_name: str | None = None  # the object store object holding the version's weights
 
 
 # --- actions --------------------------------------------------------------------------------

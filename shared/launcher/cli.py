@@ -310,7 +310,7 @@ async def _status(cfg: ChorusConfig, url: str) -> RenderableType:
         if kv is None:
             t.caption += f" (no KV bucket {names.kv_bucket}: is the run id right? `chorus up` appends a timestamp)"
         parts: list[RenderableType] = [t, await _run_state_line(cfg, kv)]
-        for extra in (agent_table(await _mq_metrics(nc, names, answers)),
+        for extra in (agent_table(await _mq_metrics(nc, names, answers, list(cfg.models))),
                       balance_table(await _service_metrics(nc, names, answers, "coordinator")),
                       act_table(await _service_metrics(nc, names, answers, "actions"))):
             if extra is not None:
@@ -336,8 +336,10 @@ async def _run_state_line(cfg: ChorusConfig, kv: Any) -> str:
     return f"run {cfg.run.id} in progress: trained versions {left}"
 
 
-async def _mq_metrics(nc: Any, names: Names, answers: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Metrics of every mq that answered the ping, by model, from its status endpoint."""
+async def _mq_metrics(nc: Any, names: Names, answers: list[dict[str, Any]],
+                      models: list[str]) -> dict[str, dict[str, Any]]:
+    """Metrics of the mq of every model, by model, from its status endpoint: each configured model's first instance
+    is asked whether or not it answered the ping in time (a busy mq answers late), and any other that did."""
     import nats
 
     from shared.kernel.codec import DecodeError, decode_json
@@ -350,7 +352,8 @@ async def _mq_metrics(nc: Any, names: Names, answers: list[dict[str, Any]]) -> d
             return model, None  # gone since the ping: the table shows what did answer
 
     metas = [a.get("metadata") or {} for a in answers if a.get("name") == "chorus-mq"]
-    replies = await asyncio.gather(*(ask(str(m.get("model")), str(m.get("instance"))) for m in metas))
+    targets = {(m, "0") for m in models} | {(str(m.get("model")), str(m.get("instance"))) for m in metas}
+    replies = await asyncio.gather(*(ask(model, instance) for model, instance in sorted(targets)))
     return {model: r for model, r in replies if isinstance(r, dict)}
 
 
@@ -494,8 +497,22 @@ def status(config: ConfigOpt, nats: NatsOpt = None, run: RunOpt = None) -> None:
         err.print(f"[red]error:[/] {exc}", highlight=False)
         raise typer.Exit(2) from None
     except (OSError, TimeoutError, NatsError) as exc:
-        _bus_gone(url, exc)
+        _offline_status(cfg, url, exc)
     console.print(table)
+
+
+def _offline_status(cfg: ChorusConfig, url: str, exc: BaseException) -> NoReturn:
+    """No bus: what the run directory holds. Exit 0 for a finished run (its server stopped with it), 1 otherwise."""
+    from shared.launcher.runfiles import finished, offline_view
+
+    run_dir = cfg.run_dir
+    if finished(cfg, run_dir) is None:
+        _bus_gone(url, exc)
+    done, view = offline_view(cfg, run_dir)
+    console.print(f"no NATS server at {url} (a run's embedded server stops with `chorus up`); from {run_dir}:",
+                  highlight=False)
+    console.print(view)
+    raise typer.Exit(0 if done else 1)
 
 
 def _bus_gone(url: str, exc: BaseException) -> NoReturn:
@@ -604,7 +621,8 @@ def export(
     run_dir: Annotated[Path, typer.Argument(help="the run directory, runs/<run-id>")],
     model: Annotated[str, typer.Option("--model", "-m", help="the model to export (models.<name>)")],
     out: Annotated[Path, typer.Option("--out", "-o", help="new directory for the Hugging Face files")],
-    version: Annotated[int | None, typer.Option("--version", help="checkpoint version (default: the newest)")] = None,
+    version: Annotated[str | None, typer.Option(
+        "--version", help="checkpoint version N, or best: the best held-out version (default: the newest)")] = None,
     config: Annotated[Path | None, typer.Option(
         "--config", "-c", help="the run's config (default: RUN_DIR/config.yaml, written by chorus up)")] = None,
 ) -> None:
@@ -612,12 +630,17 @@ def export(
     from shared.models.export import ExportError
     from shared.models.export import export as export_checkpoint
 
+    if version is not None and version != "best" and not version.isdigit():
+        err.print(f"[red]error:[/] --version {version!r}: expected a version number or best", highlight=False)
+        raise typer.Exit(2)
     try:
         done = export_checkpoint(run_dir, model, out, version, config)
     except ExportError as exc:
         err.print(f"[red]error:[/] {exc}", highlight=False)
         raise typer.Exit(2) from None
-    console.print(f"exported {model} v{done.version} ({done.checkpoint}) to {out}", highlight=False, soft_wrap=True)
+    source = done.checkpoint or "the seeded start"
+    console.print(f"exported {model} v{done.version}{' (best held-out)' if version == 'best' else ''} ({source}) to "
+                  f"{out}", highlight=False, soft_wrap=True)
     for adapter, agents in done.adapters.items():
         console.print(f"  adapter {adapter} (agents {', '.join(agents)}): {out / 'adapters' / adapter}",
                       highlight=False, soft_wrap=True)

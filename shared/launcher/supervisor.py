@@ -38,6 +38,7 @@ from shared.kernel.subjects import Names
 from shared.launcher.deploy import unique_run_id
 from shared.launcher.natsserver import NatsServer
 from shared.launcher.progress import ProgressView, RunTracker, make_console
+from shared.launcher.runfiles import write_summary
 from shared.results.plotting import eval_table_rows, load_evals, plot_run, plot_training, summarize
 
 STOP_GRACE_S = 20.0
@@ -397,6 +398,10 @@ async def run_up(config_path: Path | None, *, timeout_s: float | None = None, co
     if tracker is not None:
         for line in tracker.sample_lines():
             console.print(line)
+        write_summary(run_dir, code=code, models={m: {"version": p.version, "trained": p.trained,
+                                                      "dropped": dict(p.dropped)} for m, p in tracker.models.items()})
+        console.print(f"`chorus status --config {config_file}` reads the results from {run_dir} once the run's "
+                      "server is gone", highlight=False)
     return code
 
 

@@ -34,7 +34,7 @@ class Exported:
     out: Path
     model: str
     version: int
-    checkpoint: Path
+    checkpoint: Path | None  # None: the seeded start (version 0), which has no file
     adapters: dict[str, list[str]] = field(default_factory=dict)  # adapter: the agents that use it
     tokenizer: bool = False
 
@@ -80,16 +80,47 @@ def pick_checkpoint(run_dir: Path, cfg: ChorusConfig, model: str, version: int |
     return version, found[version]
 
 
-def load_checkpoint(cfg: ChorusConfig, model: str, path: Path) -> torch.nn.Module:
-    """Chorus's network of ``model`` (base, or peft with every adapter) on the CPU with the checkpoint's tensors."""
+def pick_best(run_dir: Path, cfg: ChorusConfig, model: str) -> tuple[int, Path | None]:
+    """The best held-out version of ``model`` and its weights file (None: version 0, the seeded start)."""
+    from shared.models import best
+
+    if model not in cfg.models:
+        raise ExportError(f"the run has no model {model!r}: its models are {', '.join(sorted(cfg.models))}")
+    rec = best.read_record(run_dir)
+    if rec is None:
+        raise ExportError(f"no {best.record_path(run_dir)}: the best version is kept by the held-out evaluation "
+                          "(eval.every > 0); export a checkpoint by its number instead")
+    if model not in rec["versions"]:
+        raise ExportError(f"model {model!r} is not in the best evaluation's versions {rec['versions']}")
+    version = int(rec["versions"][model])
+    path = best.weights_path(run_dir, model)
+    if version > 0 and not path.is_file():
+        raise ExportError(f"{best.record_path(run_dir)} names v{version} of {model}, but {path} is missing")
+    return version, (path if version > 0 else None)
+
+
+def load_checkpoint(cfg: ChorusConfig, model: str, path: Path | None) -> torch.nn.Module:
+    """Chorus's network of ``model`` (base, or peft with every adapter) on the CPU with the tensors of a
+    checkpoint file (``v<N>.pt``), of a packed weights file (``best.weights``), or of the seeded start (None)."""
     import torch
 
     from shared.models.loading import load_model, shipped_tensors
 
     net = load_model(cfg, model, "cpu")
+    own = shipped_tensors(net, cfg.models[model].lora is not None)
+    if path is None:
+        return net.eval()
+    if path.suffix == ".weights":
+        from shared.models.weights import load_into, unpack
+
+        header, body = unpack(path.read_bytes())
+        if {s.name for s in header.slots} != set(own):
+            raise ExportError(f"{path} does not match models.{model} of the run's config")
+        with torch.no_grad():
+            load_into(own, header, body, verify=True)
+        return net.eval()
     state = torch.load(path, map_location="cpu", weights_only=True)
     saved: dict[str, torch.Tensor] = state["model"]
-    own = shipped_tensors(net, cfg.models[model].lora is not None)
     if saved.keys() != own.keys():
         missing, extra = sorted(own.keys() - saved.keys()), sorted(saved.keys() - own.keys())
         raise ExportError(f"{path} does not match models.{model} of the run's config: missing {missing[:3]}, "
@@ -114,11 +145,16 @@ def _save_tokenizer(cfg: ChorusConfig, model: str, out: Path) -> bool:
     return True
 
 
-def export(run_dir: Path, model: str, out: Path, version: int | None = None,
+def export(run_dir: Path, model: str, out: Path, version: int | str | None = None,
            config: Path | None = None) -> Exported:
-    """Write checkpoint ``version`` (default: the newest) of ``model`` to ``out`` in Hugging Face format."""
+    """Write checkpoint ``version`` (default: the newest; ``"best"``: the best held-out version) of ``model`` to
+    ``out`` in Hugging Face format."""
     cfg = run_config(run_dir, config)
-    version, path = pick_checkpoint(run_dir, cfg, model, version)
+    path: Path | None
+    if version == "best":
+        version, path = pick_best(run_dir, cfg, model)
+    else:
+        version, path = pick_checkpoint(run_dir, cfg, model, None if version is None else int(version))
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ExportError(f"{out} exists and is not empty: choose a new --out directory")
     with warnings.catch_warnings():
@@ -129,7 +165,7 @@ def export(run_dir: Path, model: str, out: Path, version: int | None = None,
         return _export(cfg, run_dir, model, out, version, path)
 
 
-def _export(cfg: ChorusConfig, run_dir: Path, model: str, out: Path, version: int, path: Path) -> Exported:
+def _export(cfg: ChorusConfig, run_dir: Path, model: str, out: Path, version: int, path: Path | None) -> Exported:
     net = load_checkpoint(cfg, model, path)
     result = Exported(out=out, model=model, version=version, checkpoint=path)
     out.mkdir(parents=True, exist_ok=True)
@@ -153,14 +189,17 @@ def _export(cfg: ChorusConfig, run_dir: Path, model: str, out: Path, version: in
 
 
 def _write_notes(cfg: ChorusConfig, r: Exported) -> None:
-    info: dict[str, Any] = {"run": cfg.run.id, "model": r.model, "version": r.version, "checkpoint": str(r.checkpoint),
+    agents = {a: c for a, c in sorted(cfg.agents.items()) if c.model == r.model}
+    source = r.checkpoint if r.checkpoint is not None else "the seeded start (version 0)"
+    info: dict[str, Any] = {"run": cfg.run.id, "model": r.model, "version": r.version, "checkpoint": str(source),
                             "source": cfg.models[r.model].source, "lora": cfg.models[r.model].lora is not None,
-                            "adapters": r.adapters, "hf_tokenizer": r.tokenizer,
-                            "agents": sorted(a for a, c in cfg.agents.items() if c.model == r.model)}
+                            "adapters": r.adapters, "hf_tokenizer": r.tokenizer, "agents": list(agents),
+                            "system_prompts": {a: c.prompt for a, c in agents.items()},
+                            "chat_template": r.tokenizer}
     (r.out / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
     model_path = "base" if r.adapters else "."
     lines = [f"# {r.model} of run {cfg.run.id}, version {r.version}", "",
-             f"Exported by `chorus export` from {r.checkpoint}. `OUT` below is this directory.", ""]
+             f"Exported by `chorus export` from {source}. `OUT` below is this directory.", ""]
     if r.adapters:
         lines += ["A LoRA model: the frozen base in `base/`, one PEFT adapter per directory in `adapters/`:", ""]
         lines += [f"- `adapters/{a}/`: agent(s) {', '.join(agents) or '-'}" for a, agents in r.adapters.items()]
@@ -173,9 +212,25 @@ def _write_notes(cfg: ChorusConfig, r: Exported) -> None:
     else:
         lines += ["A full model:", "", "```python", "from transformers import AutoModelForCausalLM", "",
                   "model = AutoModelForCausalLM.from_pretrained('OUT')", "```"]
+    example_prompt = next((c.prompt for c in agents.values() if c.prompt), "")
+    lines += ["", "## How the agents were prompted", "",
+              "Each agent was trained on prompts built one way; it answers as trained only when prompted the same way.", ""]
+    for a, c in agents.items():
+        prompt = c.prompt.replace("`", "'")
+        lines += [f"- `{a}`" + (f" (adapter `{c.adapter}`)" if c.adapter else "")
+                  + (f": system prompt `{prompt}`" if prompt else ": no system prompt")]
     lines += [""]
     if r.tokenizer:
-        lines += [f"The tokenizer is saved beside the model (`{model_path}/`)."]
+        lines += [f"The tokenizer is saved beside the model (`{model_path}/`). A prompt is its chat template applied to a "
+                  "system message holding the agent's system prompt (none when it is empty) and one user message "
+                  "holding the workflow's text (the question, and for a later agent what the earlier ones answered), "
+                  "ending where the assistant's answer starts:", "",
+                  "```python", "from transformers import AutoTokenizer", "",
+                  f"tok = AutoTokenizer.from_pretrained('{'OUT/base' if r.adapters else 'OUT'}')",
+                  f"messages = [{{'role': 'system', 'content': {example_prompt!r}}},",
+                  "            {'role': 'user', 'content': 'What is 13 - 7?'}]",
+                  "ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors='pt')", "```", "",
+                  "A tokenizer without a chat template gets the system prompt, a blank line and the user text."]
     else:
         lines += ["No tokenizer files: this tiny model uses Chorus's byte tokenizer (shared/models/tokenizer.py), which is code,",
                   "not a Hugging Face tokenizer. Token ids 0-255 are the UTF-8 bytes of the text, 256 is PAD, 257 BOS",

@@ -37,8 +37,9 @@ CONFIG = "run: {{id: {run}, dir: {dir}}}\nmodels: {{a: {{rollouter: {{instances:
          "agents: {{solver: {{model: a}}, verifier: {{model: b}}}}\n"
 
 
-def _chorus(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([CHORUS, *args], capture_output=True, text=True, timeout=timeout)
+def _chorus(*args: str, timeout: float = 60, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([CHORUS, *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
 
 
 def test_serve_unknown_service_fails_with_the_list_of_services() -> None:
@@ -63,6 +64,34 @@ def test_status_of_a_run_with_nothing_running_says_so(nats_url: str, run_id: str
     assert r.returncode == 0, r.stderr
     assert "no service of this run answered" in r.stdout
     assert "no KV bucket" in r.stdout
+
+
+def test_status_of_a_finished_run_whose_server_is_gone_reads_the_run_directory(tmp_path: Path) -> None:
+    from shared.launcher.runfiles import write_summary
+
+    run_dir = tmp_path / "r-1"
+    run_dir.mkdir()
+    cfg = run_dir / "config.yaml"
+    cfg.write_text(CONFIG.format(run="r-1", dir=tmp_path) + "train: {max_versions: 3}\n"
+                   "nats: {url: nats://127.0.0.1:1, connect_timeout_s: 1}\n")
+    status = ["status", "--config", str(cfg)]
+    r = _chorus(*status)  # no server, and the directory holds nothing yet: the bus error
+    assert r.returncode == 1 and "cannot reach NATS at nats://127.0.0.1:1" in r.stderr, r.stderr
+    steps = [{"model": m, "version": v, "reward_mean": v / 10} for m in ("a", "b") for v in (1, 2, 3)]
+    evals = [{"kind": "eval", "version": v, "final": f, "pass1": {"solver": f}, "failed": 0, "last": v == 3}
+             for v, f in ((0, 0.25), (3, 0.75))]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in steps + evals))
+    write_summary(run_dir, code=0, models={"a": {"version": 3, "trained": 48, "dropped": {"stale": 2}},
+                                           "b": {"version": 3, "trained": 40, "dropped": {}}})
+    r = _chorus(*status, env={"COLUMNS": "200"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    text = " ".join(r.stdout.split())
+    assert "no NATS server at nats://127.0.0.1:1" in text
+    assert "run r-1 finished at" in text and "every model reached train.max_versions (3)" in text
+    assert "| a | 3/3 | 3 |" in text.replace("│", "|") and "2 stale" in text and "0.750" in text, r.stdout
+    (run_dir / "summary.json").unlink()  # a run started service by service: its steps and evaluations say it
+    r = _chorus(*status)
+    assert r.returncode == 0 and "run r-1 finished" in r.stdout, r.stdout
 
 
 def _write_metrics(path: Path) -> None:

@@ -36,6 +36,8 @@ def run_dir(tmp_path: Path) -> Path:
     (["--model", "zzz"], "the run has no model 'zzz': its models are a, b"),
     (["--model", "a", "--version", "3"], "no checkpoint v3 of model 'a': there are v2, v5"),
     (["--model", "b"], "no checkpoint of model 'b'"),
+    (["--model", "a", "--version", "best"], "best.json: the best version is kept by the held-out evaluation"),
+    (["--model", "a", "--version", "latest"], "--version 'latest': expected a version number or best"),
 ])
 def test_export_errors_name_what_exists(run_dir: Path, tmp_path: Path, args: list[str], expected: str) -> None:
     res = CliRunner().invoke(app, ["export", str(run_dir), *args, "--out", str(tmp_path / "out")],

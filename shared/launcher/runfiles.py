@@ -1,0 +1,116 @@
+"""What a run directory tells without the bus: ``chorus status`` of a run whose NATS server is gone (the embedded
+server stops with ``chorus up``), from ``runs/<id>/``.
+
+``chorus up`` writes ``summary.json`` when it ends (how it ended, versions, samples trained and dropped by reason);
+the trainers' ``metrics.jsonl`` holds every step and every held-out evaluation; ``checkpoints/`` the kept weights
+(``best.json``: the best held-out version). A run started service by service has no summary: its versions and
+evaluations still come from ``metrics.jsonl``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Group, RenderableType
+from rich.table import Table
+
+from shared.kernel.config import ChorusConfig
+from shared.models import best
+from shared.results.plotting import by_model, load_evals, load_metrics, summarize
+
+SUMMARY = "summary.json"
+
+
+def write_summary(run_dir: Path, *, code: int, models: dict[str, dict[str, Any]]) -> None:
+    """How ``chorus up`` ended (``code``: 0 finished, 1 failed, 130 interrupted) and what each model did."""
+    rec = {"finished": code == 0, "exit_code": code, "ended": time.time(), "models": models}
+    tmp = run_dir / (SUMMARY + ".tmp")
+    tmp.write_text(json.dumps(rec, indent=2) + "\n")
+    os.replace(tmp, run_dir / SUMMARY)
+
+
+def read_summary(run_dir: Path) -> dict[str, Any] | None:
+    try:
+        rec = json.loads((run_dir / SUMMARY).read_text())
+    except (OSError, ValueError):
+        return None
+    return rec if isinstance(rec, dict) else None
+
+
+def finished(cfg: ChorusConfig, run_dir: Path) -> bool | None:
+    """Whether the run finished, as its files tell: the summary's word, else every model's last step at
+    ``train.max_versions`` (and the final evaluation written, when there is one); None: no file says anything."""
+    summary = read_summary(run_dir)
+    if summary is not None:
+        return bool(summary.get("finished"))
+    metrics = run_dir / "metrics.jsonl"
+    if not metrics.is_file():
+        return None
+    steps = by_model(load_metrics(metrics))
+    done = bool(steps) and all(max((int(r["version"]) for r in steps.get(m, [])), default=0)
+                               >= cfg.train.max_versions for m in cfg.models)
+    if done and cfg.eval.every:
+        done = any(e.get("last") for e in load_evals(metrics))
+    return done
+
+
+def offline_view(cfg: ChorusConfig, run_dir: Path) -> tuple[bool, RenderableType]:
+    """(finished, what to print) from the run directory alone."""
+    summary = read_summary(run_dir) or {}
+    metrics = run_dir / "metrics.jsonl"
+    done = finished(cfg, run_dir)
+    ended = summary.get("ended")
+    when = f" at {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(ended))}" if isinstance(ended, int | float) else ""
+    if done:
+        head = f"run {cfg.run.id} finished{when}: every model reached train.max_versions ({cfg.train.max_versions})"
+    elif summary:
+        head = f"run {cfg.run.id} ended{when} without finishing (chorus up exit code {summary.get('exit_code')})"
+    else:
+        head = f"run {cfg.run.id}: not finished, and nothing serves it now"
+    parts: list[RenderableType] = [head]
+
+    steps = by_model(load_metrics(metrics)) if metrics.is_file() else {}
+    rewards = summarize(metrics) if steps else {}
+    per_model: dict[str, Any] = summary.get("models") or {}
+    t = Table(title=f"models (from {run_dir})")
+    for col in ("model", "version", "steps", "reward first 20%", "reward last 20%", "samples trained", "dropped"):
+        t.add_column(col, justify="left" if col in ("model", "dropped") else "right", overflow="fold")
+    for m in cfg.models:
+        recs = steps.get(m, [])
+        version = max((int(r["version"]) for r in recs), default=int((per_model.get(m) or {}).get("version", 0)))
+        r = rewards.get(m)
+        info = per_model.get(m) or {}
+        dropped = info.get("dropped") or {}
+        t.add_row(m, f"{version}/{cfg.train.max_versions}", str(len(recs)),
+                  f"{r['first']:.3f}" if r else "-", f"{r['last']:.3f}" if r else "-",
+                  str(info["trained"]) if "trained" in info else "-",
+                  ", ".join(f"{n} {reason}" for reason, n in sorted(dropped.items())) if dropped else
+                  ("none" if info else "-"))
+    parts.append(t)
+
+    evals = load_evals(metrics) if metrics.is_file() else []
+    if evals:
+        e = Table(title="held-out evaluations (final answer pass@1)")
+        for col in ("version", "final", *sorted(evals[-1].get("pass1") or {}), "failed"):
+            e.add_column(col, justify="right")
+        for rec in evals:
+            e.add_row(str(rec["version"]) + (" (last)" if rec.get("last") else ""), f"{float(rec['final']):.3f}",
+                      *(f"{float((rec.get('pass1') or {}).get(a, 0.0)):.3f}" for a in sorted(evals[-1].get("pass1") or {})),
+                      str(rec.get("failed", 0)))
+        parts.append(e)
+    kept = best.read_record(run_dir)
+    if kept is not None:
+        versions = ", ".join(f"{m} v{v}" for m, v in sorted(kept["versions"].items()))
+        parts.append(f"best held-out version: {versions} (final answer {float(kept['final']):.3f}); "
+                     f"chorus export {run_dir} --model M --version best --out DIR")
+    ckpts = run_dir / "checkpoints"
+    if ckpts.is_dir():
+        files = sorted(p.relative_to(run_dir).as_posix() for p in ckpts.rglob("*") if p.is_file()
+                       and not p.name.startswith("."))
+        parts.append(f"checkpoints: {', '.join(files) if files else 'none'}")
+    parts.append(f"logs: {run_dir / 'logs'}; plots: {run_dir / 'reward.png'}, {run_dir / 'training.png'}")
+    return bool(done), Group(*parts)
