@@ -183,6 +183,9 @@ async def evaluate(
         "failed": len(errors),
         "retried": retried,
         "errors": errors,
+        # per held-out task, in its fixed order: the share of its n final answers that were right (what flips)
+        "final_by_task": [round(sum(ok for _, ok in o.final) / len(o.final), 4) if o.final else 0.0
+                          for o in outcomes],
         "temperature": cfg.eval.temperature,
         **scores(outcomes, k_values(n, cfg.eval.pass_k)),
         "seconds": round(time.monotonic() - t0, 3),

@@ -78,10 +78,15 @@ class BestKeeper:
         """Keep the staged weights (of ``served``) if ``rec`` is the best evaluation so far; True if it is."""
         if staged is None:
             return False
-        if not best.is_better(rec, self.best):
-            await asyncio.to_thread(best.discard, staged)
+        try:
+            if not best.is_better(rec, self.best):
+                await asyncio.to_thread(best.discard, staged)
+                return False
+            await asyncio.to_thread(best.keep, self.run_dir, rec, staged, {m: served.get(m, 0) for m in staged})
+        except OSError as exc:  # a full or read-only disk: the run goes on without this best
+            self.errors += 1
+            log.warning("could not keep the best evaluated weights", error=f"{type(exc).__name__}: {exc}")
             return False
-        await asyncio.to_thread(best.keep, self.run_dir, rec, staged, {m: served.get(m, 0) for m in staged})
         self.best = best.read_record(self.run_dir)
         return True
 

@@ -595,20 +595,39 @@ async def _monitor(cfg: ChorusConfig, url: str, duration_s: float | None) -> int
         await nc.close()
 
 
+async def _watch(cfg: ChorusConfig, url: str, subject: str, count: int | None, duration_s: float | None) -> int:
+    from shared.kernel.bus import connect
+    from shared.launcher.watch import watch
+
+    nc = await asyncio.wait_for(connect(url, "chorus-monitor", timeout_s=cfg.nats.connect_timeout_s,
+                                        nats_cfg=cfg.nats, kind="observer"), 30)
+    try:
+        seen = await watch(nc, Names(cfg.run.id).prefix, subject.removeprefix(Names(cfg.run.id).prefix + "."),
+                           lambda text: console.print(text, highlight=False, markup=False, soft_wrap=True),
+                           count=count, duration_s=duration_s)
+    finally:
+        await nc.close()
+    return 0 if count is None or seen >= count else 1
+
+
 @app.command()
 def monitor(
     config: ConfigOpt, nats: NatsOpt = None, run: RunOpt = None,
     duration_s: Annotated[float | None, typer.Option("--duration-s", help="stop after this long")] = None,
+    raw: Annotated[str | None, typer.Option(
+        "--raw", help="print the messages of this subject of the run instead, decoded, one per line (wildcards: "
+        "'metrics.>', 'events.*', 'traj.solver_lm')")] = None,
+    count: Annotated[int | None, typer.Option("--count", help="with --raw: stop after this many messages")] = None,
 ) -> None:
     """Live table of every service's metrics and the latest events, until the run finishes or Ctrl-C (summary
-    lines every 10 s when stdout is not a terminal)."""
+    lines every 10 s when stdout is not a terminal); with --raw, the messages of one subject."""
     from nats.errors import Error as NatsError
 
     cfg = _load(config, run)
     url = _url(cfg, nats)
     setup_logging(json=False, level="ERROR")
     try:
-        code = asyncio.run(_monitor(cfg, url, duration_s))
+        code = asyncio.run(_monitor(cfg, url, duration_s) if raw is None else _watch(cfg, url, raw, count, duration_s))
     except KeyboardInterrupt:
         raise typer.Exit(0) from None
     except (OSError, TimeoutError, NatsError) as exc:

@@ -137,7 +137,8 @@ class ProgressView:
             reward = "-" if p.reward_mean is None else f"{p.reward_mean:.3f}"
             parts.append(f"{m} {min(p.version, self.tracker.max_versions)}/{self.tracker.max_versions} "
                          f"reward {reward}" + (" done" if p.done else ""))
-        return "progress: " + "; ".join(parts)
+        waiting = not any(p.version for p in self.tracker.models.values())
+        return "progress: " + "; ".join(parts) + (" (waiting for the first version)" if waiting else "")
 
     def refresh(self) -> None:
         for m, task in self.tasks.items():

@@ -39,6 +39,7 @@ from shared.launcher.deploy import unique_run_id
 from shared.launcher.natsserver import NatsServer
 from shared.launcher.progress import ProgressView, RunTracker, make_console
 from shared.launcher.runfiles import write_summary
+from shared.models.loading import smollm2_dir_if_ready
 from shared.results.plotting import eval_table_rows, load_evals, plot_run, plot_training, summarize
 
 STOP_GRACE_S = 20.0
@@ -443,6 +444,11 @@ async def _supervise(cfg: ChorusConfig, nc: NATS, kv: KeyValue, sup: Supervisor,
     for spec in first:
         sup.start(spec.key, spec.argv(config_file, url))
     console.print(f"started {len(first)} services; logs in {sup.log_dir}")
+    console.print("starting: each service imports its libraries and loads its model"
+                  + ("; the embedded SmolLM2 is dequantised into runs/_cache first (once, about 30 s)"
+                     if any(m.source == "smollm2" for m in cfg.models.values())
+                     and smollm2_dir_if_ready(cfg.cache_dir) is None else ""),
+                  highlight=False)
     expected = Counter(s.service for s in first)
     started_at = time.monotonic()
     coordinator_started = False
@@ -484,6 +490,12 @@ async def _supervise(cfg: ChorusConfig, nc: NATS, kv: KeyValue, sup: Supervisor,
                 if _ready(answers, expected) or late:
                     if late:
                         console.print("[yellow]not every service answered a ping in time; starting the coordinator")
+                    else:
+                        console.print(f"every service is up after {time.monotonic() - started_at:.0f}s; starting the "
+                                      "coordinator" + (f", which first evaluates version 0 on {cfg.eval.tasks} held-out "
+                                                       "tasks" if cfg.eval.every and not any(
+                                                           tracker.models[m].version for m in tracker.models) else ""),
+                                      highlight=False)
                     for spec in last:
                         sup.start(spec.key, spec.argv(config_file, url))
                     coordinator_started = True

@@ -52,6 +52,7 @@ def keep(run_dir: Path, rec: dict[str, Any], staged: dict[str, Path | None], ver
     """Make the staged weights (of ``versions``, which evaluation ``rec`` scored) the best. Blocking file work:
     call it in a thread. The record is written last: a crash in between leaves the previous record beside newer
     weights, never a record without its weights."""
+    record_path(run_dir).parent.mkdir(parents=True, exist_ok=True)
     for model, path in staged.items():
         target = weights_path(run_dir, model)
         if path is None:
