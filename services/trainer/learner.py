@@ -39,6 +39,7 @@ from shared.kernel.schemas import Sample
 from shared.kernel.validation import arrays_problem, numbers_problem
 from shared.models.loading import context_length, load_model, load_tokenizer, resolve_device, shipped_tensors
 from shared.rlmath.advantages import batch_advantages, batch_token_advantages
+from shared.rlmath.schedules import lr_factor
 
 _CKPT = re.compile(r"^v(\d+)\.pt$")
 
@@ -164,6 +165,7 @@ class Learner:
         self.trainable = [p for p in self.net.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.trainable, lr=optim.lr, betas=tuple(optim.betas),
                                            weight_decay=optim.weight_decay)
+        self.optim, self.max_versions = optim, cfg.train.max_versions
         self.version = 0
         self.accumulated = 0
         self._loss_sum = 0.0
@@ -386,11 +388,15 @@ class Learner:
             grad_norm = float(torch.norm(torch.stack([p.grad.norm() for p in params]))) if params else 0.0
         # A NaN or inf anywhere in the gradients would reach every weight through AdamW: skip the update.
         skipped = not math.isfinite(grad_norm)
+        lr = self.optim.lr * lr_factor(self.version + 1, self.max_versions, self.optim.schedule,
+                                       self.optim.warmup_versions, self.optim.min_lr_ratio)
         if not skipped:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
             self.optimizer.step()
             self.version += 1
         self.optimizer.zero_grad(set_to_none=True)
-        stats = {"tokens": 0.0, **merge_token_stats(self._parts)}  # token means over the step, *_max its largest
+        stats = {"tokens": 0.0, **merge_token_stats(self._parts), "lr": lr}  # token means over the step, *_max its largest
         if self._reward_kl:  # kl_in reward: k_t(mu, ref) token mean, and the mean penalty per sample
             pen = sum(p["kl_penalty"] for p in self._reward_kl) / max(sum(p["samples"] for p in self._reward_kl), 1.0)
             stats.update(kl_ref=merge_token_stats(self._reward_kl)["kl_ref"], kl_reward_penalty=pen)

@@ -168,6 +168,11 @@ class OptimSection(Section):
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float = 1.0
+    # the lr over the run (docs/algorithms.md): constant, or a linear or cosine decay over train.max_versions to
+    # min_lr_ratio x lr, after warmup_versions steps rising linearly to lr
+    schedule: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_versions: int = Field(default=0, ge=0)
+    min_lr_ratio: float = Field(default=0.0, ge=0.0, le=1.0)
 
 
 class LoraSection(Section):
