@@ -31,6 +31,9 @@ class BestKeeper:
         self.objects: dict[str, OrderedDict[int, str]] = {m: OrderedDict() for m in models}
         self.best = best.read_record(run_dir)  # a restarted coordinator goes on from the best it kept
         self.errors = 0
+        for model in models:  # copies a coordinator killed mid-evaluation left behind
+            for left in best.weights_path(run_dir, model).parent.glob(".eval-v*.weights"):
+                left.unlink(missing_ok=True)
 
     def synced(self, model: str, version: int, object_name: str | None) -> None:
         if object_name and model in self.objects:
