@@ -18,6 +18,7 @@ import structlog
 from nats.js import JetStreamContext
 
 from shared.kernel.bus import object_names, read_object
+from shared.kernel.files import write_atomic
 from shared.kernel.subjects import Names
 from shared.models import best
 
@@ -66,7 +67,7 @@ class BestKeeper:
                     raise LookupError(f"no unique weights object of {model} v{version}")
                 data = await read_object(self.js, self.names.obj_bucket, name, verify_digest=False)
                 path = best.staged_path(self.run_dir, model, version)
-                await asyncio.to_thread(_write, path, data)
+                await asyncio.to_thread(write_atomic, path, data)
                 staged[model] = path
         except (LookupError, nats.errors.Error, TimeoutError, OSError) as exc:
             self.errors += 1
@@ -93,10 +94,3 @@ class BestKeeper:
         self.best = best.read_record(self.run_dir)
         return True
 
-
-def _write(path: Path, data: memoryview) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-    tmp.replace(path)

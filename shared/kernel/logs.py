@@ -16,11 +16,11 @@ import structlog
 PROGRESS_BAR_VARIABLES = ("TQDM_DISABLE", "HF_HUB_DISABLE_PROGRESS_BARS", "TRANSFORMERS_NO_ADVISORY_WARNINGS")
 
 
-def quiet_progress_bars() -> None:
-    """Turn library progress bars off when stderr is not a terminal (where the logs are JSON lines). tqdm reads
-    ``TQDM_DISABLE`` once, when it is imported, so this runs before any import that may bring it in
+def quiet_progress_bars(*, always: bool = False) -> None:
+    """Turn library progress bars off when stderr is not a terminal (where the logs are JSON lines), or ``always``.
+    tqdm reads ``TQDM_DISABLE`` once, when it is imported, so this runs before any import that may bring it in
     (``services/__init__.py``)."""
-    if not sys.stderr.isatty():
+    if always or not sys.stderr.isatty():
         for var in PROGRESS_BAR_VARIABLES:
             os.environ.setdefault(var, "1")
 
@@ -35,8 +35,7 @@ def setup_logging(*, json: bool | None = None, level: str | None = None, **bound
     )
     if json:
         # progress bars of libraries (tqdm: hub downloads, weight loading) are lines no log reader can parse
-        for var in PROGRESS_BAR_VARIABLES:
-            os.environ.setdefault(var, "1")
+        quiet_progress_bars(always=True)
     _route_stdlib_logging(renderer, max(lvl, logging.WARNING) if json else lvl)
     structlog.configure(
         processors=[

@@ -503,12 +503,12 @@ def status(config: ConfigOpt, nats: NatsOpt = None, run: RunOpt = None) -> None:
 
 def _offline_status(cfg: ChorusConfig, url: str, exc: BaseException) -> NoReturn:
     """No bus: what the run directory holds. Exit 0 for a finished run (its server stopped with it), 1 otherwise."""
-    from shared.launcher.runfiles import finished, offline_view
+    from shared.launcher.runfiles import offline_view
 
     run_dir = cfg.run_dir
-    if finished(cfg, run_dir) is None:
-        _bus_gone(url, exc)
     done, view = offline_view(cfg, run_dir)
+    if done is None:
+        _bus_gone(url, exc)
     console.print(f"no NATS server at {url} (a run's embedded server stops with `chorus up`); from {run_dir}:",
                   highlight=False)
     console.print(view)
@@ -601,8 +601,9 @@ async def _watch(cfg: ChorusConfig, url: str, subject: str, count: int | None, d
 
     nc = await asyncio.wait_for(connect(url, "chorus-monitor", timeout_s=cfg.nats.connect_timeout_s,
                                         nats_cfg=cfg.nats, kind="observer"), 30)
+    prefix = Names(cfg.run.id).prefix
     try:
-        seen = await watch(nc, Names(cfg.run.id).prefix, subject.removeprefix(Names(cfg.run.id).prefix + "."),
+        seen = await watch(nc, prefix, subject.removeprefix(prefix + "."),
                            lambda text: console.print(text, highlight=False, markup=False, soft_wrap=True),
                            count=count, duration_s=duration_s)
     finally:

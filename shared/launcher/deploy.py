@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import secrets
 import signal
 import time
@@ -17,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from shared.kernel.files import write_atomic
 from shared.kernel.subjects import Names, check_token
 
 RUN_FILE_POLL_S = 0.2
@@ -34,10 +34,7 @@ def new_run_id(base: str, now: float | None = None) -> str:
 
 def write_run_file(path: Path, run_id: str) -> None:
     """Write the run id atomically (a reader never sees half a file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(run_id + "\n")
-    os.replace(tmp, path)
+    write_atomic(path, run_id + "\n")
 
 
 def read_run_file(path: Path) -> str | None:

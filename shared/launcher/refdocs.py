@@ -311,8 +311,8 @@ def _counter_name(node: ast.AST) -> str | None:
     return None
 
 
-def _counters_in(source: str) -> set[str]:
-    return {name for node in ast.walk(ast.parse(source)) if (name := _counter_name(node)) is not None}
+def _counters_in(tree: ast.AST) -> set[str]:
+    return {name for node in ast.walk(tree) if (name := _counter_name(node)) is not None}
 
 
 def _service_metric_names() -> dict[str, tuple[list[str], list[str]]]:
@@ -324,7 +324,7 @@ def _service_metric_names() -> dict[str, tuple[list[str], list[str]]]:
         gauges: set[str] = set()
         for src in sorted(pkg.rglob("*.py")):
             tree = ast.parse(src.read_text())
-            counters |= _counters_in(src.read_text())
+            counters |= _counters_in(tree)
             for node in ast.walk(tree):
                 if isinstance(node, ast.FunctionDef) and node.name in ("extra_metrics", "periodic_metrics") \
                         and src.name == "service.py":
@@ -366,7 +366,7 @@ def events_md() -> str:
                    f"{', '.join(f'`{g}`' for g in gauges)} |\n")
     from shared.kernel.service import Service
 
-    base = sorted(_counters_in(inspect.getsource(Service)))
+    base = sorted(_counters_in(ast.parse(inspect.getsource(Service))))
     out.append(f"| (every service) | {', '.join(f'`{c}`' for c in base)} | |\n")
     out.append("\nIn a counter's name, " + "; ".join(f"`<{k}>` is {v}" for k, v in COUNTER_PLACEHOLDERS.items()) + ".\n")
     return "".join(out)

@@ -10,7 +10,6 @@ evaluations still come from ``metrics.jsonl``.
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -19,8 +18,9 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 
 from shared.kernel.config import ChorusConfig
+from shared.kernel.files import write_atomic
 from shared.models import best
-from shared.results.plotting import by_model, load_evals, load_metrics, summarize
+from shared.results.plotting import by_model, load_evals, load_metrics, summarize_steps
 
 SUMMARY = "summary.json"
 
@@ -28,9 +28,7 @@ SUMMARY = "summary.json"
 def write_summary(run_dir: Path, *, code: int, models: dict[str, dict[str, Any]]) -> None:
     """How ``chorus up`` ended (``code``: 0 finished, 1 failed, 130 interrupted) and what each model did."""
     rec = {"finished": code == 0, "exit_code": code, "ended": time.time(), "models": models}
-    tmp = run_dir / (SUMMARY + ".tmp")
-    tmp.write_text(json.dumps(rec, indent=2) + "\n")
-    os.replace(tmp, run_dir / SUMMARY)
+    write_atomic(run_dir / SUMMARY, json.dumps(rec, indent=2) + "\n")
 
 
 def read_summary(run_dir: Path) -> dict[str, Any] | None:
@@ -41,28 +39,30 @@ def read_summary(run_dir: Path) -> dict[str, Any] | None:
     return rec if isinstance(rec, dict) else None
 
 
-def finished(cfg: ChorusConfig, run_dir: Path) -> bool | None:
+def _finished(cfg: ChorusConfig, summary: dict[str, Any] | None, steps: dict[str, list[dict[str, Any]]] | None,
+              evals: list[dict[str, Any]]) -> bool | None:
     """Whether the run finished, as its files tell: the summary's word, else every model's last step at
-    ``train.max_versions`` (and the final evaluation written, when there is one); None: no file says anything."""
-    summary = read_summary(run_dir)
+    ``train.max_versions`` (and the final evaluation written, when there is one); None: no file says anything
+    (``steps`` None: no metrics.jsonl)."""
     if summary is not None:
         return bool(summary.get("finished"))
-    metrics = run_dir / "metrics.jsonl"
-    if not metrics.is_file():
+    if steps is None:
         return None
-    steps = by_model(load_metrics(metrics))
     done = bool(steps) and all(max((int(r["version"]) for r in steps.get(m, [])), default=0)
                                >= cfg.train.max_versions for m in cfg.models)
     if done and cfg.eval.every:
-        done = any(e.get("last") for e in load_evals(metrics))
+        done = any(e.get("last") for e in evals)
     return done
 
 
-def offline_view(cfg: ChorusConfig, run_dir: Path) -> tuple[bool, RenderableType]:
-    """(finished, what to print) from the run directory alone."""
-    summary = read_summary(run_dir) or {}
+def offline_view(cfg: ChorusConfig, run_dir: Path) -> tuple[bool | None, RenderableType]:
+    """(finished, what to print) from the run directory alone; finished is None when no file says anything."""
+    read = read_summary(run_dir)
     metrics = run_dir / "metrics.jsonl"
-    done = finished(cfg, run_dir)
+    steps = by_model(load_metrics(metrics)) if metrics.is_file() else None
+    evals = load_evals(metrics) if metrics.is_file() else []
+    done = _finished(cfg, read, steps, evals)
+    summary = read or {}
     ended = summary.get("ended")
     when = f" at {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(ended))}" if isinstance(ended, int | float) else ""
     if done:
@@ -73,8 +73,8 @@ def offline_view(cfg: ChorusConfig, run_dir: Path) -> tuple[bool, RenderableType
         head = f"run {cfg.run.id}: not finished, and nothing serves it now"
     parts: list[RenderableType] = [head]
 
-    steps = by_model(load_metrics(metrics)) if metrics.is_file() else {}
-    rewards = summarize(metrics) if steps else {}
+    steps = steps or {}
+    rewards = summarize_steps(steps)
     per_model: dict[str, Any] = summary.get("models") or {}
     t = Table(title=f"models (from {run_dir})")
     for col in ("model", "version", "steps", "reward first 20%", "reward last 20%", "samples trained", "dropped"):
@@ -92,7 +92,6 @@ def offline_view(cfg: ChorusConfig, run_dir: Path) -> tuple[bool, RenderableType
                   ("none" if info else "-"))
     parts.append(t)
 
-    evals = load_evals(metrics) if metrics.is_file() else []
     if evals:
         e = Table(title="held-out evaluations (final answer pass@1)")
         for col in ("version", "final", *sorted(evals[-1].get("pass1") or {}), "failed"):
@@ -113,4 +112,4 @@ def offline_view(cfg: ChorusConfig, run_dir: Path) -> tuple[bool, RenderableType
                        and not p.name.startswith("."))
         parts.append(f"checkpoints: {', '.join(files) if files else 'none'}")
     parts.append(f"logs: {run_dir / 'logs'}; plots: {run_dir / 'reward.png'}, {run_dir / 'training.png'}")
-    return bool(done), Group(*parts)
+    return done, Group(*parts)

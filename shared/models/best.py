@@ -14,6 +14,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from shared.kernel.files import write_atomic
+
 RECORD = "best.json"
 WEIGHTS = "best.weights"
 
@@ -61,9 +63,7 @@ def keep(run_dir: Path, rec: dict[str, Any], staged: dict[str, Path | None], ver
             os.replace(path, target)
     best = {"final": rec["final"], "pass1": rec["pass1"], "versions": versions, "version_max": rec["version_max"],
             "time": rec["time"]}
-    tmp = record_path(run_dir).with_suffix(".tmp")
-    tmp.write_text(json.dumps(best, indent=2) + "\n")
-    os.replace(tmp, record_path(run_dir))
+    write_atomic(record_path(run_dir), json.dumps(best, indent=2) + "\n")
 
 
 def discard(staged: dict[str, Path | None]) -> None:

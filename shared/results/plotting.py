@@ -101,8 +101,13 @@ def _mean(xs: list[float]) -> float:
 def summarize(metrics_path: str | os.PathLike[str]) -> dict[str, dict[str, float]]:
     """Per model: ``steps``, ``first``/``last`` (mean reward_mean of the first/last 20% of steps, at least one
     step each) and ``delta`` = last - first."""
+    return summarize_steps(by_model(load_metrics(metrics_path)))
+
+
+def summarize_steps(steps: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, float]]:
+    """:func:`summarize` of step records already grouped by model (:func:`by_model`)."""
     summary: dict[str, dict[str, float]] = {}
-    for model, recs in by_model(load_metrics(metrics_path)).items():
+    for model, recs in steps.items():
         rewards = [float(r["reward_mean"]) for r in recs]
         k = max(1, int(len(rewards) * SUMMARY_FRACTION))
         first, last = _mean(rewards[:k]), _mean(rewards[-k:])
