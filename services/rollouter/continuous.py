@@ -16,6 +16,9 @@ whole queue of requests to the end (tests, benchmarks).
   that starts like a cached one (a shared system prompt) prefills only what follows the common prefix.
 - **Logits only where a token is sampled:** the LM head runs on the last position of a prefill and on the one
   new position of each decoding row.
+- **Few-row products (CPU).** How a product of a few token rows runs (``F.linear`` or ``W @ X^T``, on rows
+  padded with zeros or not) is measured per weight shape when the engine starts (:mod:`.kernels`);
+  :meth:`ContinuousEngine.kernel_choices` says what was chosen.
 - **Versions.** Every token records the weight version that sampled it. When the weights change in place
   (a sync in ``interrupt`` mode), every running row's KV is recomputed under the new weights before its next
   token (a prefill of its prompt and the tokens it has so far), so each token's log-prob is exactly that of
@@ -42,6 +45,7 @@ from services.rollouter.engine import (
     peft_adapters,
     tail_has_stop,
 )
+from services.rollouter.kernels import PLAN_ROWS, KernelPlan, planned_linear
 from shared.models.loading import Tokenizer, context_length, shipped_tensors
 from shared.models.tokenizer import ByteTokenizer
 
@@ -49,14 +53,11 @@ SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 LENGTH_STEP = 64  # the pool's length grows in multiples of this
 PREFIX_ENTRIES = 32  # prompts kept in the prefix cache
 MERGE_MAX = 16  # a starting row's last tokens computed in the step's shared forward; more are prefilled apart
-# Matrix products of a few token rows, on CPU (MKL, one thread), measured with SmolLM2's weights streaming
-# from memory: ``F.linear`` of 1 row is a gemv at about 11 GB/s; of 2 or 3 rows, one gemv per row (3 rows
-# through the LM head 33 ms, 4 rows 16 ms); ``W @ X^T`` of 2 to 4 rows is a gemm at about 19 GB/s (the LM
-# head: 5.9 ms for 1 or 2 rows, 9.8 ms for 4). So token rows are padded with zeros (1 to 2, 3 to 4, then to a
-# multiple of 4) and a product of at most 4 rows runs as ``W @ X^T`` where that measured faster.
-ROW_MULTIPLE = 4
-FEW_ROWS = 4  # at most this many (padded) rows: W @ X^T where the weight is not wider in than out
-HEAD_FEW_ROWS = 8  # the LM head (49k outputs): W @ X^T up to this many rows
+# Matrix products of a few token rows (CPU): no fixed rule is fastest on every CPU (SmolLM2's LM head, one
+# thread: on an AVX2 Xeon ``W @ X^T`` of 2 rows took 5.9 ms against 10.1 ms for ``F.linear`` of 1; on an
+# AVX-512/AMX Xeon ``F.linear`` of 1, 2, 4 rows 11.8, 12.4, 21.4 ms against 11.3, 27.6, 27.0 ms). So each
+# weight shape's choice for 1..PLAN_ROWS rows is timed when the engine starts (services/rollouter/kernels.py).
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 class Unsupported(ValueError):
@@ -134,7 +135,7 @@ class ContinuousEngine:
 
     def __init__(self, model: torch.nn.Module, tokenizer: Tokenizer | None = None, *, version: int = 0,
                  seed: int = 0, max_batch: int = 64, max_tokens: int = 0,
-                 prefix_entries: int = PREFIX_ENTRIES) -> None:
+                 prefix_entries: int = PREFIX_ENTRIES, plan_kernels: bool = True) -> None:
         why = support_problem(model)
         if why is not None:
             raise Unsupported(why)
@@ -165,7 +166,8 @@ class ContinuousEngine:
             if not 0 <= tid < self.vocab_size:
                 raise ValueError(f"tokenizer {what} {tid} is outside the model's vocabulary [0, {self.vocab_size})")
         norm = self.body.norm
-        self._row_multiple = ROW_MULTIPLE if self.device.type == "cpu" else 1
+        self._plan_kernels = plan_kernels
+        self._plan_choices()
         self._fused_norm = (self.dtype == torch.float32 and type(norm).__name__.endswith("RMSNorm")
                             and hasattr(norm, "variance_epsilon"))
         self._order = {a: i for i, a in enumerate((None, *self.adapters))}  # slot order of the adapter groups
@@ -186,6 +188,14 @@ class ContinuousEngine:
     # --- the API the batcher uses -------------------------------------------------------------
     def named_tensors(self) -> dict[str, torch.Tensor]:
         return shipped_tensors(self.model, lora=self.lora)
+
+    def loaded(self, version: int) -> None:
+        """A weight transport has written ``version`` into :meth:`named_tensors` (in place): serve it; running
+        rows recompute their KV under it before their next token."""
+        self.version = version
+
+    def close(self) -> None:
+        """Nothing to free beyond the model and the KV pool (the service's teardown)."""
 
     def check_adapter(self, adapter: str | None) -> None:
         from services.rollouter.engine import UnknownAdapter
@@ -351,16 +361,33 @@ class ContinuousEngine:
         row.slot = -1
 
     # --- the network --------------------------------------------------------------------------
-    def _linear(self, x: torch.Tensor, layer: torch.nn.Module, few: int = FEW_ROWS) -> torch.Tensor:
-        """``layer(x)`` for a plain ``nn.Linear``; a product of at most ``few`` rows runs as ``W @ X^T`` on CPU."""
+    def _plan_choices(self) -> None:
+        """Measure (or find cached) the kernel plan of every plain ``nn.Linear`` the engine multiplies by."""
+        named: list[tuple[str, torch.nn.Module]] = []
+        for layer in self.layers:
+            for part in (layer.self_attn, layer.mlp):
+                for name in PROJECTIONS:
+                    mod = getattr(part, name, None)
+                    if mod is not None:
+                        named.append((name, mod.base_layer if _is_lora(mod) else mod))
+        named.append(("head", self.lm_head))
+        named = [(n, m) for n, m in named if type(m) is torch.nn.Linear]
+        self.kernels = KernelPlan(((n, m.weight) for n, m in named),
+                                  enabled=self._plan_kernels and self.device.type == "cpu")
+        self._choices = {m: self.kernels.choices(m.weight) for _, m in named}
+        # > 1 where products of up to this many rows follow a measured plan (CPU), 1 where all run F.linear
+        self._row_multiple = PLAN_ROWS if self.kernels.plans else 1
+
+    def kernel_choices(self) -> dict[str, str]:
+        """Per weight shape (``"49152x576 head"``), how 1..16 rows are multiplied: ``"t:method"``, ``@r`` when
+        padded to r rows; empty on CUDA or with the plan off."""
+        return self.kernels.summary()
+
+    def _linear(self, x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
+        """``layer(x)`` for a plain ``nn.Linear`` the way the kernel plan says for ``x``'s row count."""
         if type(layer) is not torch.nn.Linear:
             return layer(x)
-        w, b = layer.weight, layer.bias
-        rows = x.shape[0]
-        if self._row_multiple > 1 and (rows <= 2 or (rows <= few and w.shape[1] <= w.shape[0])):
-            y = torch.mm(w, x.t()).t()
-            return (y + b if b is not None else y).contiguous()
-        return F.linear(x, w, b)
+        return planned_linear(x, layer.weight, layer.bias, self._choices.get(layer))
 
     def _proj(self, mod: torch.nn.Module, x: torch.Tensor, groups: Sequence[tuple[str | None, int, int]]) -> torch.Tensor:
         """``mod(x)`` for rows (tokens) grouped by adapter: the base once, each adapter's delta on its slice."""
@@ -385,33 +412,26 @@ class ContinuousEngine:
         cos, sin = self.body.rotary_emb(h[None], positions[None])
         cos, sin = cos[0][:, None, :], sin[0][:, None, :]
         t = ids.shape[0]
-        h = self._pad_rows(h)  # rows past t: zeros, and finite through every layer; never read
+        if torch.get_num_threads() != self.kernels.threads and self.kernels.enabled:
+            self._plan_choices()  # the plan is per thread count
         for li, layer in enumerate(self.layers):
             attn = layer.self_attn
             x = self._norm(layer.input_layernorm, h)
-            q = self._proj(attn.q_proj, x, groups)[:t].view(t, -1, self.head_dim)
-            k = self._proj(attn.k_proj, x, groups)[:t].view(t, -1, self.head_dim)
-            v = self._proj(attn.v_proj, x, groups)[:t].view(t, -1, self.head_dim)
+            q = self._proj(attn.q_proj, x, groups).view(t, -1, self.head_dim)
+            k = self._proj(attn.k_proj, x, groups).view(t, -1, self.head_dim)
+            v = self._proj(attn.v_proj, x, groups).view(t, -1, self.head_dim)
             if hasattr(attn, "q_norm"):
                 q, k = attn.q_norm(q), attn.k_norm(k)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
             o = attend(li, q, k, v).reshape(t, -1)
-            h = h + self._proj(attn.o_proj, self._pad_rows(o), groups)
+            h = h + self._proj(attn.o_proj, o, groups)
             x = self._norm(layer.post_attention_layernorm, h)
             mlp = layer.mlp
             gate = self._proj(mlp.gate_proj, x, groups)
             up = self._proj(mlp.up_proj, x, groups)
             h = h + self._proj(mlp.down_proj, mlp.act_fn(gate) * up, groups)
-        return self._norm(self.body.norm, h)[:t]
-
-    def _pad_rows(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` [T, H] with zero rows appended (on CPU): 1 row to 2, more to a multiple of ``ROW_MULTIPLE``."""
-        if self._row_multiple == 1:
-            return x
-        t = x.shape[0]
-        pad = 1 if t == 1 else -t % self._row_multiple
-        return torch.cat((x, x.new_zeros((pad, *x.shape[1:])))) if pad else x
+        return self._norm(self.body.norm, h)
 
     def _norm(self, mod: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         """An RMSNorm in one fused op where it computes what the module does (float32), else the module."""
@@ -420,7 +440,7 @@ class ContinuousEngine:
         return mod(x)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self._linear(self._pad_rows(hidden), self.lm_head, HEAD_FEW_ROWS)[: hidden.shape[0]].float()
+        return self._linear(hidden, self.lm_head).float()
 
     # --- prefill ------------------------------------------------------------------------------
     def _start(self, rows: Sequence[Row]) -> None:
