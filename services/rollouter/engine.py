@@ -133,6 +133,13 @@ class TorchEngine:
         """What a weight update carries (every parameter, or only the adapters of a LoRA model), by name."""
         return shipped_tensors(self.model, lora=self.lora)
 
+    def loaded(self, version: int) -> None:
+        """A weight transport has written ``version`` into :meth:`named_tensors` (in place): serve it."""
+        self.version = version
+
+    def close(self) -> None:
+        """Nothing to free beyond the model (the service's teardown)."""
+
     def check_adapter(self, adapter: str | None) -> None:
         """Raise :class:`UnknownAdapter` unless this engine can serve rows of ``adapter`` (None: the base)."""
         if adapter is None or adapter in self.adapters:

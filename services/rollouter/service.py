@@ -31,8 +31,9 @@ import nats.js.errors
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from services.rollouter.backends import build_engine
 from services.rollouter.batcher import Batcher, ContinuousBatcher
-from services.rollouter.continuous import ContinuousEngine, make_engine, support_problem
+from services.rollouter.continuous import ContinuousEngine
 from services.rollouter.engine import SamplingParams, TorchEngine, UnknownAdapter
 from shared.kernel import events
 from shared.kernel.bus import kv_get_int
@@ -119,7 +120,7 @@ def load_weights(engine: TorchEngine | ContinuousEngine, model: str, header: Wei
         raise ValueError(f"weights for {model} v{header.version} lack {len(missing)} of the {len(named)} tensors this "
                          f"rollouter serves, e.g. {missing[:3]} (do both sides build models.{model} the same way?)")
     digest = load_into(named, header, body, verify=True)
-    engine.version = header.version
+    engine.loaded(header.version)
     return digest
 
 
@@ -141,23 +142,24 @@ class RollouterService(Service):
         net, tok = await loop.run_in_executor(self._executor, _load, self.cfg, self.model)
         seed = int.from_bytes(hashlib.sha256(f"{self.cfg.run.seed}:{self.model}:{self.instance}".encode())
                               .digest()[:4], "little")
-        if rc.engine == "continuous" and (why := support_problem(net)) is not None:
+        notes: list[str] = []
+        # vLLM starts its engine (seconds, a warm-up generation): on the engine's thread as well
+        self.engine = await loop.run_in_executor(
+            self._executor, lambda: build_engine(self.cfg, self.model, net, tok, seed=seed, notes=notes))
+        for note in notes:
             self.counters["static_fallback"] += 1
-            self.log.warning("continuous batching is not available for this model; batching statically",
-                             reason=why)
-        self.engine = make_engine(net, tok, kind=rc.engine, seed=seed, max_batch=rc.max_batch,
-                                  max_tokens=rc.max_tokens)
+            self.log.warning(note)
         self.batcher: Batcher | ContinuousBatcher
-        if isinstance(self.engine, ContinuousEngine):
-            self.batcher = ContinuousBatcher(self.engine, self._executor, max_batch=rc.max_batch,
-                                             request_timeout_s=rc.request_timeout_s, on_sync=rc.on_sync)
-        else:
+        if isinstance(self.engine, TorchEngine):
             if rc.on_sync == "interrupt":
-                self.log.warning("on_sync interrupt needs the continuous engine; syncs drain")
+                self.log.warning("on_sync interrupt needs a stepwise engine; syncs drain")
             self.batcher = Batcher(self.engine, self._executor, max_batch=rc.max_batch,
                                    window_s=rc.batch_window_ms / 1000.0, request_timeout_s=rc.request_timeout_s)
+        else:
+            self.batcher = ContinuousBatcher(self.engine, self._executor, max_batch=rc.max_batch,
+                                             request_timeout_s=rc.request_timeout_s, on_sync=rc.on_sync)
         self.log.info("model loaded", adapters=list(self.engine.adapters), vocab_size=self.engine.vocab_size,
-                      engine=type(self.engine).__name__, on_sync=getattr(self.batcher, "on_sync", "drain"))
+                      engine=type(self.engine).__name__, backend=rc.backend, on_sync=getattr(self.batcher, "on_sync", "drain"))
         self.checksum: str | None = None
         self._replies: set[asyncio.Task[None]] = set()
         self._sinks: dict[str, WeightSink] = {}
@@ -200,6 +202,10 @@ class RollouterService(Service):
             self.counters["failed_on_stop"] += failed
         if self._replies:
             await asyncio.wait(self._replies, timeout=5)
+        try:
+            await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(self._executor, self.engine.close), 10)
+        except Exception as exc:  # stopping anyway
+            self.log.warning("engine close failed", error=f"{type(exc).__name__}: {exc}")
         self._executor.shutdown(wait=False, cancel_futures=True)
         for sink in self._sinks.values():
             await sink.close()

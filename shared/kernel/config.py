@@ -146,6 +146,20 @@ class ArchConfig(Section):
     init_std: float = 0.02
 
 
+class VllmSection(Section):
+    """vLLM's own knobs, for a model served with ``rollouter.backend: vllm`` (docs/backends.md)."""
+
+    kv_cache_gib: float = Field(default=1.0, gt=0)  # KV cache space (GiB of host memory on CPU, of device memory on GPU)
+    max_model_len: int = Field(default=0, ge=0)  # longest prompt + generation (0: the model's context)
+    max_num_batched_tokens: int = Field(default=2048, ge=1)  # tokens one engine step computes (prefill chunks)
+    max_loras: int = Field(default=0, ge=0)  # adapters in one batch (0: every adapter of the model)
+    max_lora_rank: int = Field(default=0, ge=0)  # 0: lora.r rounded up to a rank vLLM supports
+    enforce_eager: bool = True  # no CUDA graphs / torch.compile (False on a GPU for speed; start-up is longer)
+    prefix_caching: bool = True  # vLLM's automatic prefix caching (reset at every weight load)
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)  # on a GPU: the fraction vLLM may take
+    extra: dict[str, Any] = Field(default_factory=dict)  # more vllm.EngineArgs fields, passed through
+
+
 class RolloutSection(Section):
     instances: int = Field(default=1, ge=1)
     max_batch: int = Field(default=64, ge=1)
@@ -161,6 +175,10 @@ class RolloutSection(Section):
     # what a weight sync does to rows mid-generation: drain (finish them on the old weights first; no answer
     # mixes versions) or interrupt (pause them at a step boundary, load, re-prefill, continue: partial rollout)
     on_sync: Literal["drain", "interrupt"] = "drain"
+    # chorus: Chorus's own engines (`engine` above); vllm: vLLM in-process (the vllm extra, `make venv-vllm`),
+    # with the knobs of `vllm`. The rollouter's protocol, syncs and partial rollout are the same for both.
+    backend: Literal["chorus", "vllm"] = "chorus"
+    vllm: VllmSection = Field(default_factory=VllmSection)
 
 
 class OptimSection(Section):
