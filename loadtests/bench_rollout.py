@@ -5,8 +5,8 @@
 Arms: Chorus's static engine (`TorchEngine`: chunks of `max_batch` rows, each chunk runs until its longest
 row ends), Chorus's continuous engine (`ContinuousEngine`: the whole queue submitted, at most `max_batch`
 rows in flight, rows join as others finish), plain transformers `generate` (chunks of `max_batch`
-left-padded rows) and transformers' continuous batching (a `ContinuousBatchingManager` from
-`model.init_continuous_batching`, at most `max_batch` requests per step). All four serve SmolLM2-135M-Instruct
+left-padded rows), transformers' continuous batching (a `ContinuousBatchingManager` from
+`model.init_continuous_batching`, at most `max_batch` requests per step) and vLLM (below). All five serve SmolLM2-135M-Instruct
 in float32 (dequantised once into `runs/_cache`, as `configs/demo.yaml` does), greedily, one torch thread.
 
 Each arm is its own worker process, started once (the models load in parallel), with one torch thread.
@@ -43,6 +43,13 @@ model; float sums in other batch shapes may flip a near-tie later in a row). The
 continuous_vs_static=<x> vs_hf_generate=<y> vs_hf_continuous=<z>` for B=32, long-tailed: the median over
 repeats of the continuous arm's tokens per CPU-second divided by the other arm's in the same repeat (n/a
 where an arm is unavailable or B=32 was not run).
+
+vLLM (the vllm arm, in the venv of the vllm extra, `.venv-vllm`, when this one lacks it): Chorus's rollouter
+backend `VllmEngine` around vLLM's in-process engine, started once per worker, at most `max_batch` rows in flight
+(a row joins as one ends, as the rollouter's batcher feeds it), prefix caching off like the other arms, greedy,
+EOS off, one OpenMP thread (`VLLM_CPU_OMP_THREADS_BIND=nobind`, pinned like the others). A last line
+`ratio chorus_vs_vllm=<x>` gives the continuous arm's tokens per CPU-second over vLLM's, B=32 long tail. The
+continuous arm prints the kernel choices its engine measured on this CPU first.
 
 transformers' continuous batching on CPU: no flash attention, so it runs `sdpa` over the keys of every
 request of the step concatenated, with a block-diagonal mask: a decode step's attention costs B * (sum of
@@ -160,7 +167,8 @@ class ChorusContinuous(ChorusStatic):
         from services.rollouter.continuous import ContinuousEngine  # being written: may not import yet
 
         self.engine_cls = ContinuousEngine
-        self.engine_cls(model, tokenizer, max_batch=1)  # raises if this model is not one it serves
+        # raises if this model is not one it serves; measures the kernel plan (outside every measurement)
+        self.choices = self.engine_cls(model, tokenizer, max_batch=1).kernel_choices()
 
     def prepare(self, batch: int, prompts: list[list[int]], lengths: list[int]) -> Any:
         # A fresh engine per job: no KV pool or prefix cache carried over from the previous repeat.
@@ -297,7 +305,7 @@ def worker(arm_name: str, model_dir: str, core: int) -> None:
         reply.write(json.dumps({"unavailable": f"{type(exc).__name__}: {exc}"}) + "\n")
         return
     pin_all_threads(core)
-    reply.write(json.dumps({"ready": True}) + "\n")
+    reply.write(json.dumps({"ready": True, "kernel_choices": getattr(arm, "choices", None)}) + "\n")
     for line in sys.stdin:
         job = json.loads(line)
         b, prompts, lengths = job["batch"], job["prompts"], job["lengths"]
@@ -337,6 +345,7 @@ class Worker:
     def hello(self) -> None:
         msg = self._read()
         self.unavailable = msg.get("unavailable")
+        self.kernel_choices = msg.get("kernel_choices")
 
     def job(self, batch: int, prompts: list[list[int]], lengths: list[int], core: int | None = None) -> dict[str, Any]:
         self.send(batch, prompts, lengths, core)
@@ -526,6 +535,10 @@ def main() -> None:
             if w.unavailable:
                 unavailable[w.arm] = w.unavailable
                 print(f"  {w.arm}: unavailable ({w.unavailable})", flush=True)
+            if w.kernel_choices:
+                print(f"  kernel choices of the {w.arm} engine on this CPU (rows:kernel, @n padded to n rows):")
+                for shape, plan in w.kernel_choices.items():
+                    print(f"    {shape:<34}{plan}", flush=True)
         live = [arm for arm in arms if arm not in unavailable]
         warm_prompts = prompts_for(cfg, tokenizer, 2, seed=-1)
         for arm in live:  # first-call costs (allocator, lazy imports) outside every measurement

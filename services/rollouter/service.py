@@ -93,6 +93,8 @@ def request_prompts(req: GenRequest, engine: TorchEngine | ContinuousEngine) -> 
             raise BadRequest(f"prompts[{i}] is empty: a prompt needs at least one token (BOS)")
         if engine.context is not None and len(ids) > engine.context:
             raise BadRequest(f"prompts[{i}] has {len(ids)} tokens, more than the model's context of {engine.context}")
+        if engine.context is not None and len(ids) == engine.context:
+            raise BadRequest(f"prompts[{i}] has {len(ids)} tokens, the whole of the model's context: no room to generate")
         bad = [t for t in ids if not 0 <= t < vocab_size]
         if bad:
             raise BadRequest(f"prompts[{i}] has token ids outside [0, {vocab_size}): {bad[:5]}")

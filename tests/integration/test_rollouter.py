@@ -306,3 +306,19 @@ async def test_a_rollouter_on_a_device_the_machine_lacks_stops_the_run_naming_th
     assert code == EX_RUN_FAILED
     out = capsys.readouterr()
     assert "models.m.device is cuda but torch.cuda.is_available() is False" in out.out + out.err
+
+
+async def test_a_vllm_rollouter_where_vllm_is_missing_stops_the_run_naming_the_extra(
+        nats_url: str, run_id: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    import sys
+
+    from shared.kernel.service import EX_RUN_FAILED
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError, installed or not
+    cfg = write_config(tmp_path, run_id)
+    cfg.models[MODEL].rollouter.backend = "vllm"
+    code = await asyncio.wait_for(RollouterService(cfg, nats_url=nats_url, instance="0", model=MODEL).serve(), 30)
+    assert code == EX_RUN_FAILED
+    out = capsys.readouterr()
+    assert "rollouter.backend vllm needs the vllm package" in out.out + out.err and "make venv-vllm" in out.out + out.err
