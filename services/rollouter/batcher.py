@@ -470,7 +470,7 @@ class ContinuousBatcher:
         s = self.stats
         e = self.engine
         return {
-            "in_flight": self.in_flight, "queued": self.queued, "paused": self.paused, "engine": "continuous",
+            "in_flight": self.in_flight, "queued": self.queued, "paused": self.paused, "engine": e.name,
             "on_sync": self.on_sync, "rows_running": len(e.running), "rows_waiting": len(e.waiting),
             "steps": s.batches, "requests": s.requests, "rows_generated": s.rows, "tokens": s.tokens,
             "tokens_per_s": round(s.tokens_per_s, 1), "max_requests_in_flight": s.max_requests_per_batch,

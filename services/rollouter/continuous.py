@@ -45,7 +45,7 @@ from services.rollouter.engine import (
     peft_adapters,
     tail_has_stop,
 )
-from services.rollouter.kernels import PLAN_ROWS, KernelPlan, planned_linear
+from services.rollouter.kernels import KernelPlan, planned_linear
 from shared.models.loading import Tokenizer, context_length, shipped_tensors
 from shared.models.tokenizer import ByteTokenizer
 
@@ -132,6 +132,8 @@ class Row:
 
 class ContinuousEngine:
     """A persistent continuous-batching engine around one Llama-family causal LM (optionally peft LoRA)."""
+
+    name = "continuous"  # what the rollouter's metrics call it
 
     def __init__(self, model: torch.nn.Module, tokenizer: Tokenizer | None = None, *, version: int = 0,
                  seed: int = 0, max_batch: int = 64, max_tokens: int = 0,
@@ -375,8 +377,6 @@ class ContinuousEngine:
         self.kernels = KernelPlan(((n, m.weight) for n, m in named),
                                   enabled=self._plan_kernels and self.device.type == "cpu")
         self._choices = {m: self.kernels.choices(m.weight) for _, m in named}
-        # > 1 where products of up to this many rows follow a measured plan (CPU), 1 where all run F.linear
-        self._row_multiple = PLAN_ROWS if self.kernels.plans else 1
 
     def kernel_choices(self) -> dict[str, str]:
         """Per weight shape (``"49152x576 head"``), how 1..16 rows are multiplied: ``"t:method"``, ``@r`` when

@@ -76,7 +76,7 @@ def lora_rank(r: int) -> int:
 class VllmEngine:
     """A vLLM engine behind Chorus's step protocol (``row``, ``step``, ``reset``, ``loaded``, ...)."""
 
-    stepwise = True  # rows join and leave at every step: the continuous batcher drives it
+    name = "vllm"  # what the rollouter's metrics call it
 
     def __init__(self, model: torch.nn.Module, tokenizer: Tokenizer, *, settings: VllmSection, version: int = 0,
                  seed: int = 0, max_batch: int = 64, dtype: str = "float32", device: str = "cpu",

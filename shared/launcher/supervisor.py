@@ -302,6 +302,17 @@ def child_env(cfg: ChorusConfig) -> dict[str, str]:
             "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
 
 
+def check_backends_installed(cfg: ChorusConfig) -> None:
+    """Refuse a run whose rollouters this environment cannot start (before any service does), naming the fix."""
+    import importlib.util
+
+    vllm = sorted(m for m, mc in cfg.models.items() if mc.rollouter.backend == "vllm")
+    if vllm and importlib.util.find_spec("vllm") is None:
+        raise ConfigError(f"models.{vllm[0]}.rollouter.backend is vllm, but vllm is not installed in this environment "
+                          f"({sys.executable}): `make venv-vllm` builds .venv-vllm with it; run "
+                          "`.venv-vllm/bin/chorus up ...`")
+
+
 async def run_up(config_path: Path | None, *, timeout_s: float | None = None, console: Console | None = None,
                  resume: Path | None = None, run_id: str | None = None) -> int:
     """Run a whole config to ``train.max_versions``, or continue the run in directory ``resume``. A new run whose
@@ -317,6 +328,7 @@ async def run_up(config_path: Path | None, *, timeout_s: float | None = None, co
         cfg = resolve_run(config_path, run_id)
         embedded = not cfg.nats.url
         console.print(f"run [bold]{cfg.run.id}[/] in {cfg.run_dir}")
+    check_backends_installed(cfg)
     names = Names(cfg.run.id)
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)

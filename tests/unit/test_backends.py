@@ -33,3 +33,18 @@ def test_a_lora_rank_rounds_up_to_one_vllm_builds(r: int, rank: int) -> None:
 def test_a_lora_rank_above_vllms_largest_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="largest LoRA rank"):
         lora_rank(1024)
+
+
+def test_chorus_up_refuses_a_vllm_run_where_vllm_is_not_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    from shared.kernel.config import load_config
+    from shared.launcher.supervisor import check_backends_installed
+    from tests.conftest import ROOT
+
+    cfg = load_config(ROOT / "configs" / "tiny-chain-vllm.yaml")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"models.solver_lm.rollouter.backend is vllm.*make venv-vllm"):
+        check_backends_installed(cfg)
+    check_backends_installed(load_config(ROOT / "configs" / "tiny-chain.yaml"))  # chorus backends need nothing
