@@ -10,7 +10,10 @@ float32):
 - an AVX-512/AMX Xeon: ``F.linear`` of 1, 2, 3, 4, 8 rows took 11.8, 12.4, 12.0, 21.4, 39.1 ms and
   ``W @ X^T`` 11.3, 27.6, 25.7, 27.0, 28.0 ms: the same rule made a step of one row slower than ``F.linear``.
 
-So :class:`KernelPlan` times both ways with the real weight when the engine starts, for each distinct
+A third way, oneDNN's linear on a copy of the weight prepacked for it (what vLLM's CPU build runs), wins on
+the AMX Xeon from 4 rows on for the larger weights (the head of 8 rows: 20 ms) and loses at 1 row.
+
+So :class:`KernelPlan` times the three ways with the real weight when the engine starts, for each distinct
 (out, in, dtype, device, threads) among the engine's plain ``nn.Linear`` layers, at
 :data:`MEASURED_ROWS` rows, and for every row count t up to :data:`PLAN_ROWS` picks the (method, rows r >= t)
 of least time: t rows are padded with zero rows to r (the extra outputs are sliced away, so the result is
@@ -29,7 +32,11 @@ import torch.nn.functional as F
 
 PLAN_ROWS = 16  # products of at most this many rows follow the plan; more: F.linear, unpadded
 MEASURED_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16)
-METHODS = ("linear", "mm")  # F.linear(x, w) | torch.mm(w, x.t()).t()
+# F.linear(x, w) | torch.mm(w, x.t()).t() | oneDNN's linear on a prepacked copy of the weight (the kernel
+# vLLM's CPU build uses): on an AMX Xeon, SmolLM2's head of 8 rows took 42 ms with F.linear, 36 with W @ X^T
+# and 20 with oneDNN, and the whole engine ran 1.4x faster at batch 8 but 0.8x at batch 1: measured, not assumed
+METHODS = ("linear", "mm", "onednn")
+PACK_ROWS_HINT = 8  # the batch size oneDNN is told to prepack for (a hint: any row count works)
 REPEATS = 5  # timed runs per candidate (after one warm-up), the minimum kept ...
 BUDGET_S = 0.02  # ... stopping once a candidate has spent this long (at least MIN_REPEATS runs)
 MIN_REPEATS = 2
@@ -42,12 +49,33 @@ Timer = Callable[[str, torch.Tensor, int], float]  # (method or "pad", weight, r
 PLANS: dict[Key, ShapePlan] = {}  # measured plans of this process
 
 
+def onednn_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def packed(w: torch.Tensor) -> torch.Tensor:
+    """``w`` prepacked for oneDNN's linear, kept on the tensor and packed again once ``w`` changed in place
+    (a weight load bumps its version counter)."""
+    cached = getattr(w, "_chorus_onednn", None)
+    if cached is not None and cached[0] == w._version:
+        return cached[1]
+    pw = torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_ROWS_HINT)
+    w._chorus_onednn = (w._version, pw)  # type: ignore[attr-defined]
+    return pw
+
+
+def onednn_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed(w), b, "none", [], "")
+
+
 def product(method: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``x @ w^T`` [r, out] computed by ``method``; ``"pad"``: one row of ``x`` padded with zero rows to r."""
     if method == "pad":
         return torch.cat((x[:1], x.new_zeros((x.shape[0] - 1, x.shape[1]))))
     if method == "mm":
         return torch.mm(w, x.t()).t().contiguous()
+    if method == "onednn":
+        return onednn_linear(x, w, None)
     return F.linear(x, w)
 
 
@@ -105,7 +133,14 @@ def shape_key(w: torch.Tensor) -> Key:
 def measure(w: torch.Tensor, timer: Timer | None = None, rows: Sequence[int] = MEASURED_ROWS) -> ShapePlan:
     """Time every method at every row count with the weight ``w`` (``timer`` defaults to :func:`time_product`)."""
     timer = timer or time_product
-    times = {(m, r): float(timer(m, w, r)) for r in rows for m in METHODS}
+    methods = [m for m in METHODS if m != "onednn" or timer is not time_product or onednn_available()]
+    times: dict[Choice, float] = {}
+    for r in rows:
+        for m in methods:
+            try:
+                times[(m, r)] = float(timer(m, w, r))
+            except RuntimeError:  # oneDNN without a kernel for this dtype or CPU: not a candidate
+                continue
     pad = float(timer("pad", w, 2))
     return ShapePlan(shape_key(w), times, pad, choose(times, pad))
 
@@ -164,6 +199,8 @@ def planned_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
     if method == "mm":
         y = torch.mm(w, x.t())[:, :t].t()
         return (y + b if b is not None else y).contiguous()
+    if method == "onednn":
+        return onednn_linear(x, w, b)[:t] if r > t else onednn_linear(x, w, b)
     if r > t:
         y = F.linear(x, w)[:t]
         return y + b if b is not None else y

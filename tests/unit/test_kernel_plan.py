@@ -140,3 +140,13 @@ def test_the_plan_follows_the_thread_count() -> None:
         assert all(k[4] == threads + 1 for k in engine.kernels.plans)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_the_onednn_copy_of_a_weight_follows_a_load_in_place() -> None:
+    w = torch.nn.Parameter(torch.randn(48, 32), requires_grad=False)
+    x = torch.randn(5, 32)
+    choices = tuple(("onednn", t) for t in range(PLAN_ROWS + 1))
+    torch.testing.assert_close(planned_linear(x, w, None, choices), torch.nn.functional.linear(x, w))
+    with torch.no_grad():
+        w.add_(1.0)  # what a weight transport's load does: the tensor changes in place
+    torch.testing.assert_close(planned_linear(x, w, None, choices), torch.nn.functional.linear(x, w))
