@@ -41,6 +41,7 @@ from services.rollouter.engine import (
     BASE_ADAPTER,
     GenResult,
     SamplingParams,
+    ServesAdapters,
     behaviour_logprobs,
     peft_adapters,
     tail_has_stop,
@@ -130,7 +131,58 @@ class Row:
                          versions=self.versions)
 
 
-class ContinuousEngine:
+class Stepwise(ServesAdapters):
+    """What the continuous batcher needs of an engine besides ``step``, ``check_fits`` and ``reset``: rows made and
+    checked, whether rows are in flight, and a whole queue run to the end (tests, benchmarks). Chorus's
+    continuous engine and the vLLM backend share it."""
+
+    tokenizer: Tokenizer
+    running: list[Row]
+    waiting: deque[Row]
+
+    def check_fits(self, prompt_len: int, params: SamplingParams) -> None:
+        raise NotImplementedError
+
+    def step(self, new_rows: Iterable[Row] = ()) -> list[Row]:
+        raise NotImplementedError
+
+    def row(self, prompt: Sequence[int], params: SamplingParams, adapter: str | None = None,
+            handle: Any = None) -> Row:
+        """A row ready to hand to :meth:`step` (checked: adapter, budget)."""
+        self.check_adapter(adapter)
+        self.check_fits(len(prompt), params)
+        stops = {int(s) for s in params.stop_ids}
+        if not params.ignore_eos:
+            stops.add(self.tokenizer.eos_id)
+        return Row(list(prompt), params, adapter, handle, stop_ids=frozenset(stops))
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    @property
+    def rows_in_flight(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams],
+                 adapters: Sequence[str | None] | None = None) -> list[GenResult]:
+        """Queue every prompt and step until all are done; results in the order of ``prompts``."""
+        if len(prompts) != len(params):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling settings")
+        names: Sequence[str | None] = [None] * len(prompts) if adapters is None else adapters
+        if len(names) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(names)} adapters")
+        rows = [self.row(p, s, a, handle=i) for i, (p, s, a) in enumerate(zip(prompts, params, names, strict=True))]
+        out: list[GenResult | None] = [None] * len(rows)
+        pending: list[Row] = rows
+        while pending or self.busy:
+            for r in self.step(pending):
+                out[r.handle] = r.result()
+            pending = []
+        return [r if r is not None else GenResult() for r in out]
+
+
+class ContinuousEngine(Stepwise):
     """A persistent continuous-batching engine around one Llama-family causal LM (optionally peft LoRA)."""
 
     name = "continuous"  # what the rollouter's metrics call it
@@ -199,16 +251,6 @@ class ContinuousEngine:
     def close(self) -> None:
         """Nothing to free beyond the model and the KV pool (the service's teardown)."""
 
-    def check_adapter(self, adapter: str | None) -> None:
-        from services.rollouter.engine import UnknownAdapter
-
-        if adapter is None or adapter in self.adapters:
-            return
-        if not self.lora:
-            raise UnknownAdapter(f"adapter {adapter!r} requested, but this model has no LoRA adapters "
-                                 "(send adapter None, or add a `lora` section and an agent naming it)")
-        raise UnknownAdapter(f"adapter {adapter!r} is not one of this model's adapters {list(self.adapters)}")
-
     def check_fits(self, prompt_len: int, params: SamplingParams) -> None:
         """Raise ValueError if one row of this shape could never be admitted (over the KV budget or context)."""
         need = prompt_len + params.max_new_tokens
@@ -217,41 +259,6 @@ class ContinuousEngine:
                              f"positions, more than the rollouter's budget rollouter.max_tokens={self.max_tokens}")
         if prompt_len == 0:
             raise ValueError("every prompt needs at least one token")
-
-    def row(self, prompt: Sequence[int], params: SamplingParams, adapter: str | None = None,
-            handle: Any = None) -> Row:
-        """A row ready to hand to :meth:`step` (checked: adapter, budget)."""
-        self.check_adapter(adapter)
-        self.check_fits(len(prompt), params)
-        stops = {int(s) for s in params.stop_ids}
-        if not params.ignore_eos:
-            stops.add(self.tokenizer.eos_id)
-        return Row(list(prompt), params, adapter, handle, stop_ids=frozenset(stops))
-
-    @property
-    def busy(self) -> bool:
-        return bool(self.running or self.waiting)
-
-    @property
-    def rows_in_flight(self) -> int:
-        return len(self.running) + len(self.waiting)
-
-    def generate(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams],
-                 adapters: Sequence[str | None] | None = None) -> list[GenResult]:
-        """Queue every prompt and step until all are done; results in the order of ``prompts``."""
-        if len(prompts) != len(params):
-            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling settings")
-        names: Sequence[str | None] = [None] * len(prompts) if adapters is None else adapters
-        if len(names) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(names)} adapters")
-        rows = [self.row(p, s, a, handle=i) for i, (p, s, a) in enumerate(zip(prompts, params, names, strict=True))]
-        out: list[GenResult | None] = [None] * len(rows)
-        pending: list[Row] = rows
-        while pending or self.busy:
-            for r in self.step(pending):
-                out[r.handle] = r.result()
-            pending = []
-        return [r if r is not None else GenResult() for r in out]
 
     @torch.inference_mode()
     def step(self, new_rows: Iterable[Row] = ()) -> list[Row]:

@@ -105,7 +105,23 @@ def peft_adapters(model: torch.nn.Module) -> tuple[str, ...]:
     return tuple(sorted(model.peft_config))
 
 
-class TorchEngine:
+class ServesAdapters:
+    """An engine's check of the adapter a row names, against its ``adapters`` (a LoRA model's, or none)."""
+
+    adapters: tuple[str, ...]
+    lora: bool
+
+    def check_adapter(self, adapter: str | None) -> None:
+        """Raise :class:`UnknownAdapter` unless this engine can serve rows of ``adapter`` (None: the base)."""
+        if adapter is None or adapter in self.adapters:
+            return
+        if not self.lora:
+            raise UnknownAdapter(f"adapter {adapter!r} requested, but this model has no LoRA adapters "
+                                 "(send adapter None, or add a `lora` section and an agent naming it)")
+        raise UnknownAdapter(f"adapter {adapter!r} is not one of this model's adapters {list(self.adapters)}")
+
+
+class TorchEngine(ServesAdapters):
     """A persistent inference engine around one causal LM; weights are replaced in place on load.
 
     A LoRA (peft) model serves every adapter at once: each row names its adapter and a decode step is one
@@ -139,15 +155,6 @@ class TorchEngine:
 
     def close(self) -> None:
         """Nothing to free beyond the model (the service's teardown)."""
-
-    def check_adapter(self, adapter: str | None) -> None:
-        """Raise :class:`UnknownAdapter` unless this engine can serve rows of ``adapter`` (None: the base)."""
-        if adapter is None or adapter in self.adapters:
-            return
-        if not self.lora:
-            raise UnknownAdapter(f"adapter {adapter!r} requested, but this model has no LoRA adapters "
-                                 "(send adapter None, or add a `lora` section and an agent naming it)")
-        raise UnknownAdapter(f"adapter {adapter!r} is not one of this model's adapters {list(self.adapters)}")
 
     def generate(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams],
                  adapters: Sequence[str | None] | None = None) -> list[GenResult]:

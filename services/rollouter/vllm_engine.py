@@ -30,14 +30,14 @@ import shutil
 import tempfile
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from services.rollouter.continuous import Row
-from services.rollouter.engine import GenResult, SamplingParams, UnknownAdapter, peft_adapters, tail_has_stop
+from services.rollouter.continuous import Row, Stepwise
+from services.rollouter.engine import SamplingParams, peft_adapters, tail_has_stop
 from shared.kernel.config import ConfigError, VllmSection
 from shared.models.loading import Tokenizer, context_length, shipped_tensors
 
@@ -73,7 +73,7 @@ def lora_rank(r: int) -> int:
     raise ConfigError(f"lora.r={r} is above vLLM's largest LoRA rank {LORA_RANKS[-1]}")
 
 
-class VllmEngine:
+class VllmEngine(Stepwise):
     """A vLLM engine behind Chorus's step protocol (``row``, ``step``, ``reset``, ``loaded``, ...)."""
 
     name = "vllm"  # what the rollouter's metrics call it
@@ -148,14 +148,6 @@ class VllmEngine:
         """The staging copy's tensors a weight update writes (every parameter, or a LoRA model's adapters)."""
         return shipped_tensors(self.model, lora=self.lora)
 
-    def check_adapter(self, adapter: str | None) -> None:
-        if adapter is None or adapter in self.adapters:
-            return
-        if not self.lora:
-            raise UnknownAdapter(f"adapter {adapter!r} requested, but this model has no LoRA adapters "
-                                 "(send adapter None, or add a `lora` section and an agent naming it)")
-        raise UnknownAdapter(f"adapter {adapter!r} is not one of this model's adapters {list(self.adapters)}")
-
     def check_fits(self, prompt_len: int, params: SamplingParams) -> None:
         """Raise ValueError for a row vLLM could never run (an empty prompt, or one that fills the context)."""
         if prompt_len == 0:
@@ -163,36 +155,6 @@ class VllmEngine:
         if prompt_len >= self.context:
             raise ValueError(f"a prompt of {prompt_len} tokens leaves no room to generate in vLLM's context of "
                              f"{self.context} tokens (rollouter.vllm.max_model_len)")
-
-    def row(self, prompt: Sequence[int], params: SamplingParams, adapter: str | None = None,
-            handle: Any = None) -> Row:
-        self.check_adapter(adapter)
-        self.check_fits(len(prompt), params)
-        stops = {int(s) for s in params.stop_ids}
-        if not params.ignore_eos:
-            stops.add(self.tokenizer.eos_id)
-        return Row(list(prompt), params, adapter, handle, stop_ids=frozenset(stops))
-
-    @property
-    def busy(self) -> bool:
-        return bool(self.running or self.waiting)
-
-    @property
-    def rows_in_flight(self) -> int:
-        return len(self.running) + len(self.waiting)
-
-    def generate(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams],
-                 adapters: Sequence[str | None] | None = None) -> list[GenResult]:
-        """Run every prompt to the end; results in the order of ``prompts`` (tests, benchmarks)."""
-        names: Sequence[str | None] = [None] * len(prompts) if adapters is None else adapters
-        rows = [self.row(p, s, a, handle=i) for i, (p, s, a) in enumerate(zip(prompts, params, names, strict=True))]
-        out: list[GenResult | None] = [None] * len(rows)
-        pending: list[Row] = rows
-        while pending or self.busy:
-            for r in self.step(pending):
-                out[r.handle] = r.result()
-            pending = []
-        return [r if r is not None else GenResult() for r in out]
 
     def step(self, new_rows: Iterable[Row] = ()) -> list[Row]:
         """Add the new rows (and rows a load interrupted), run one vLLM step, record each row's new tokens.
