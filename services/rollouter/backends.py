@@ -20,32 +20,33 @@ Builder = Callable[..., Any]
 
 
 def chorus_engine(cfg: ChorusConfig, model: str, net: torch.nn.Module, tok: Tokenizer, *, seed: int,
-                  notes: list[str]) -> Any:
+                  fallbacks: list[str]) -> Any:
     """Chorus's continuous engine (or its static one, for models the continuous engine does not compute)."""
     rc = cfg.models[model].rollouter
     if rc.engine == "continuous" and (why := support_problem(net)) is not None:
-        notes.append(f"continuous batching is not available for this model; batching statically ({why})")
+        fallbacks.append(f"continuous batching is not available for this model; batching statically ({why})")
     return make_engine(net, tok, kind=rc.engine, seed=seed, max_batch=rc.max_batch, max_tokens=rc.max_tokens)
 
 
 def vllm_engine(cfg: ChorusConfig, model: str, net: torch.nn.Module, tok: Tokenizer, *, seed: int,
-                notes: list[str]) -> Any:
+                fallbacks: list[str]) -> Any:
     """vLLM in this process, serving the weights Chorus built (its staging copy stays on the host)."""
     from services.rollouter.vllm_engine import VllmEngine
 
     mc = cfg.models[model]
     device = resolve_device(cfg, model)
     return VllmEngine(net.to("cpu"), tok, settings=mc.rollouter.vllm, seed=seed, max_batch=mc.rollouter.max_batch,
-                      dtype=mc.dtype, device=device.type, work_dir=None)
+                      dtype=mc.dtype, device=device.type)
 
 
 BACKENDS: dict[str, Builder] = {"chorus": chorus_engine, "vllm": vllm_engine}
 
 
 def build_engine(cfg: ChorusConfig, model: str, net: torch.nn.Module, tok: Tokenizer, *, seed: int,
-                 notes: list[str]) -> Any:
-    """The engine ``models.<model>.rollouter.backend`` names; ``notes`` gets what the log should say."""
-    return BACKENDS[cfg.models[model].rollouter.backend](cfg, model, net, tok, seed=seed, notes=notes)
+                 fallbacks: list[str]) -> Any:
+    """The engine ``models.<model>.rollouter.backend`` names; ``fallbacks`` gets why the configured engine could
+    not be used, where a builder fell back to another."""
+    return BACKENDS[cfg.models[model].rollouter.backend](cfg, model, net, tok, seed=seed, fallbacks=fallbacks)
 
 
 __all__ = ["BACKENDS", "build_engine", "chorus_engine", "vllm_engine"]

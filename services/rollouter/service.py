@@ -144,13 +144,13 @@ class RollouterService(Service):
         net, tok = await loop.run_in_executor(self._executor, _load, self.cfg, self.model)
         seed = int.from_bytes(hashlib.sha256(f"{self.cfg.run.seed}:{self.model}:{self.instance}".encode())
                               .digest()[:4], "little")
-        notes: list[str] = []
+        fallbacks: list[str] = []
         # vLLM starts its engine (seconds, a warm-up generation): on the engine's thread as well
         self.engine = await loop.run_in_executor(
-            self._executor, lambda: build_engine(self.cfg, self.model, net, tok, seed=seed, notes=notes))
-        for note in notes:
+            self._executor, lambda: build_engine(self.cfg, self.model, net, tok, seed=seed, fallbacks=fallbacks))
+        for why in fallbacks:
             self.counters["static_fallback"] += 1
-            self.log.warning(note)
+            self.log.warning(why)
         self.batcher: Batcher | ContinuousBatcher
         if isinstance(self.engine, TorchEngine):
             if rc.on_sync == "interrupt":

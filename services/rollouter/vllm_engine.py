@@ -8,8 +8,8 @@ and the event loop never waits on vLLM.
 
 - **Weights.** The network Chorus built for this model stays in host memory as the staging copy: a weight
   transport writes a version into it bucket by bucket (the same check-everything-first load as for Chorus's
-  engine), then :meth:`VllmEngine.loaded` installs it: a full model through vLLM's own ``load_weights`` (it
-  maps Hugging Face names onto its fused layers), the adapters of a LoRA model as new vLLM LoRA ids read
+  engine), then :meth:`VllmEngine.loaded` installs it: a full model through vLLM's in-place ``reload_weights``
+  (it maps Hugging Face names onto its fused layers and repacks them for its kernels), the adapters of a LoRA model as new vLLM LoRA ids read
   from a directory on tmpfs (``/dev/shm``), the previous version's ids retired.
 - **Behaviour log-probs** are vLLM's ``processed_logprobs``: after temperature and top-p, renormalised over
   the nucleus; greedy rows get the raw log-softmax. That is what Chorus's engine and the trainer compute.
@@ -24,7 +24,6 @@ and the event loop never waits on vLLM.
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import shutil
 import tempfile
@@ -98,7 +97,8 @@ class VllmEngine(Stepwise):
         self._ids = itertools.count()
         self._lora_ids = itertools.count(1)
         self._by_request: dict[str, Row] = {}
-        self._lora: dict[str | None, Any] = {}  # adapter (None: the base rows) -> its LoRARequest
+        self._lora: dict[str, Any] = {}  # adapter -> the LoRARequest of the served version
+        self._base_rows: Any = None  # a LoRA model's base rows: the LoRARequest of an adapter of zeros
         root = work_dir if work_dir is not None else (SHM if SHM.is_dir() else Path(tempfile.gettempdir()))
         root.mkdir(parents=True, exist_ok=True)
         self.work_dir = Path(tempfile.mkdtemp(prefix="chorus-vllm-", dir=root))
@@ -136,6 +136,8 @@ class VllmEngine(Stepwise):
             self.llm = vllm.LLMEngine.from_engine_args(engine_args)
             if self.lora:
                 self._install_adapters()
+                zeros = {k: torch.zeros_like(v) if "lora_B" in k else v for k, v in self._adapter_state(self.adapters[0]).items()}
+                self._base_rows = self._add_adapter(BASE_ROWS, zeros, self.adapters[0])
             self._warm_up()
         except ConfigError:
             raise
@@ -231,7 +233,7 @@ class VllmEngine(Stepwise):
             stop_token_ids=sorted(row.stop_ids), ignore_eos=True, logprobs=0, detokenize=False,
             output_kind=self._vllm.sampling_params.RequestOutputKind.DELTA)
         rid = f"r{next(self._ids)}"
-        lora = self._lora.get(row.adapter)
+        lora = self._lora[row.adapter] if row.adapter is not None else self._base_rows
         self.llm.add_request(rid, {"prompt_token_ids": list(row.tokens)}, sp, lora_request=lora)
         self._by_request[rid] = row
         row.kv_version = self.version
@@ -254,9 +256,7 @@ class VllmEngine(Stepwise):
                 row.finish = "stop"
                 self.stats["stop_string_aborts"] += 1
                 return True
-        if out.finish_reason == "length" or len(row.ids) >= row.params.max_new_tokens:
-            row.finish = row.finish if row.finish == "stop" else "length"
-        return False
+        return False  # a row vLLM ends by length keeps Row's default finish, "length"
 
     def _retire(self, row: Row, rid: str, *, abort: bool) -> None:
         if abort:
@@ -268,29 +268,31 @@ class VllmEngine(Stepwise):
         self.rows_generated += 1
         self.tokens_generated += len(row.ids)
 
-    def _install_adapters(self) -> None:
-        """Each adapter of the staging copy as a new vLLM LoRA id (a PEFT directory on tmpfs); old ids retired."""
+    def _adapter_state(self, adapter: str) -> dict[str, torch.Tensor]:
         from peft import get_peft_model_state_dict
+
+        return get_peft_model_state_dict(self.model, adapter_name=adapter)
+
+    def _add_adapter(self, name: str, state: dict[str, torch.Tensor], config_of: str) -> Any:
+        """``state`` as a PEFT directory on tmpfs (with the config of adapter ``config_of``), added to vLLM under a
+        new LoRA id; its LoRARequest."""
         from safetensors.torch import save_file
 
-        old = {a: r for a, r in self._lora.items() if a is not None}
-        first = None not in self._lora
-        for a in (BASE_ROWS,) * first + self.adapters:
-            path = self.work_dir / "lora" / f"v{self.version}-{next(self._ids)}" / a
-            path.mkdir(parents=True)
-            source = self.adapters[0] if a == BASE_ROWS else a
-            state = get_peft_model_state_dict(self.model, adapter_name=source)
-            if a == BASE_ROWS:
-                state = {k: torch.zeros_like(v) if "lora_B" in k else v for k, v in state.items()}
-            save_file({k: v.detach().contiguous() for k, v in state.items()}, str(path / "adapter_model.safetensors"))
-            cfg = self.model.peft_config[source].to_dict()  # type: ignore[union-attr]
-            cfg = {k: (sorted(v) if isinstance(v, set) else v) for k, v in cfg.items()}
-            (path / "adapter_config.json").write_text(json.dumps(cfg, default=str))
-            req = self._vllm.lora.request.LoRARequest(lora_name=f"{a}-{path.parent.name}", lora_int_id=next(self._lora_ids),
-                                                      lora_path=str(path))
-            if not self.llm.add_lora(req):
-                raise RuntimeError(f"vLLM refused adapter {a!r} from {path}")
-            self._lora[None if a == BASE_ROWS else a] = req
+        path = self.work_dir / "lora" / f"v{self.version}-{next(self._ids)}" / name
+        path.mkdir(parents=True)
+        save_file({k: v.detach().contiguous() for k, v in state.items()}, str(path / "adapter_model.safetensors"))
+        self.model.peft_config[config_of].save_pretrained(str(path))  # type: ignore[union-attr]
+        req = self._vllm.lora.request.LoRARequest(lora_name=f"{name}-{path.parent.name}", lora_int_id=next(self._lora_ids),
+                                                  lora_path=str(path))
+        if not self.llm.add_lora(req):
+            raise RuntimeError(f"vLLM refused adapter {name!r} from {path}")
+        return req
+
+    def _install_adapters(self) -> None:
+        """Each adapter of the staging copy as a new vLLM LoRA id; the previous version's ids retired."""
+        old = dict(self._lora)
+        for a in self.adapters:
+            self._lora[a] = self._add_adapter(a, self._adapter_state(a), a)
         for req in old.values():
             self.llm.remove_lora(req.lora_int_id)
             shutil.rmtree(Path(req.lora_path).parent, ignore_errors=True)
@@ -298,9 +300,9 @@ class VllmEngine(Stepwise):
 
     def _warm_up(self) -> None:
         """Two tokens for the base and each adapter: a model vLLM cannot run fails here, at start, not mid-run."""
-        rows = [self.row([self.tokenizer.eos_id] * 2, SamplingParams(max_new_tokens=2, ignore_eos=True), a)
-                for a in (None, *self.adapters)]
-        self.generate([r.prompt for r in rows], [r.params for r in rows], [r.adapter for r in rows])
+        adapters = [None, *self.adapters]
+        self.generate([[self.tokenizer.eos_id] * 2] * len(adapters),
+                      [SamplingParams(max_new_tokens=2, ignore_eos=True)] * len(adapters), adapters)
         self.rows_generated = self.tokens_generated = 0
 
 
