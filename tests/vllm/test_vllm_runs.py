@@ -88,8 +88,8 @@ async def test_a_vllm_rollouter_answers_bad_requests_with_an_error_and_a_dlq_ent
         msg = await nc.request(names.gen_direct(MODELS[0], "0"), request("ok1", [[1, 50, 51], [1, 60]], max_new_tokens=5),
                                timeout=30)
         resp = decode(GenResponse, msg.data)
-        assert resp.error is None and [len(o.ids) for o in resp.outputs] == [5, 5] or all(
-            o.finish == "stop" for o in resp.outputs), resp
+        assert resp.error is None and len(resp.outputs) == 2, resp
+        assert all(len(o.ids) == 5 or o.finish == "stop" for o in resp.outputs), resp
         assert not cluster.dead(), cluster.logs()
     finally:
         await nc.close()
@@ -113,9 +113,9 @@ async def test_a_model_vllm_cannot_run_stops_the_rollouter_with_78_naming_the_ca
 async def test_a_vllm_rollouter_killed_mid_run_loses_nothing_and_trains_nothing_twice(tmp_path, run_id):
     # The gauntlet's rollouter case on vLLM, with the trainer's kill after it: two vLLM rollouters per model,
     # one SIGKILLed with requests in flight and restarted 2 s later; the ledger checks every sample.
-    # 60 versions after the last kill: a restarted vLLM rollouter takes several seconds to start (imports, the
-    # engine, its warm-up), and the ledger asks every instance at the end whether it is back and serving
-    config = fault_config(tmp_path, run_id, max_versions=80)
+    # A restarted vLLM rollouter takes seconds to start (imports, the engine, its warm-up), possibly past the
+    # run's end; the harness asks every instance whether it is paused once it answers.
+    config = fault_config(tmp_path, run_id, max_versions=40)
     raw = yaml.safe_load(config.read_text())
     vllm = yaml.safe_load((ROOT / "configs" / "tiny-chain-vllm.yaml").read_text())["models"]
     for m in MODELS:
@@ -125,7 +125,7 @@ async def test_a_vllm_rollouter_killed_mid_run_loses_nothing_and_trains_nothing_
     faults = [Fault("rollouter", "kill", at, LAGGING, down_s=2.0) for at in (8, 20)]
     broker = Broker.single(tmp_path / "nats")
     try:
-        fault_run = FaultRun(tmp_path, run_id, broker, config, max_versions=80, rollouters=2)
+        fault_run = FaultRun(tmp_path, run_id, broker, config, max_versions=40, rollouters=2)
         outcome = await fault_run.run(faults, timeout_s=600)
     finally:
         broker.stop()
