@@ -22,6 +22,7 @@ from shared.launcher.natsserver import NatsCluster, NatsServer
 from tests.conftest import ROOT
 from tests.e2e.cluster import Cluster
 from tests.faults.ledger import Ledger, ModelReport, violations
+from tests.waits import WAIT_S
 
 MODELS = ["solver_lm", "verifier_lm"]
 SERVICE_KINDS = ("coordinator", "actions", "mq", "trainer", "rollouter", "paramsync")
@@ -234,7 +235,7 @@ class FaultRun:
             await self._until(lambda: self._reached_all(self.max_versions), timeout_s, "the run finishing")
             # Samples of tasks still in flight are dropped as finished; then the streams run empty.
             await self._until(self._quiet, 120, "the streams emptying after the run")
-            paused = await self.ledger.paused_instances({m: self.rollouters for m in MODELS})
+            paused = await self._paused_once_answering()
             reports = await self.ledger.report()
             self.coordinator_status = await self.ledger.status("coordinator")
             for fault in faults:
@@ -250,6 +251,19 @@ class FaultRun:
         problems += [f"fault {f.name} landed after the run had finished ({f.landed_at})" for f in faults
                      if not self._mid_run(f)]
         return Outcome(faults, reports, problems, self.unexpected, round(time.monotonic() - t0, 1), paused)
+
+    async def _paused_once_answering(self) -> list[str]:
+        """The rollouter instances that say they are paused, asked once every instance answers: a restarted one
+        answers when it has started (a vLLM one loads its engine for seconds), which may be after the run ended.
+        One that still does not answer after :data:`WAIT_S` is reported as such."""
+        instances = {m: self.rollouters for m in MODELS}
+        deadline = time.monotonic() + WAIT_S
+        while True:
+            paused = await self.ledger.paused_instances(instances)
+            silent = [p for p in paused if not p.endswith(": paused")]
+            if not silent or time.monotonic() > deadline:
+                return paused
+            await asyncio.sleep(0.5)
 
     def _mid_run(self, fault: Fault) -> bool:
         """A fault proves something only while training goes on: its model's (a shared service's or the broker's:
