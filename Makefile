@@ -49,14 +49,15 @@ $(VLLM_STAMP): pyproject.toml
 	$(VENV_VLLM)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
 	touch $@
 
+# Each test within 10 minutes (the longest takes about two here); the slowest are listed at the end.
 test-vllm: venv-vllm
-	$(VENV_VLLM)/bin/pytest -q -p no:cacheprovider -m vllm
+	$(VENV_VLLM)/bin/pytest -q -p no:cacheprovider -m vllm --timeout 600 --durations 8
 
 demo: venv
 	$(BIN)/chorus up $(CONFIG)
 
 test: venv
-	$(BIN)/pytest -q -p no:cacheprovider
+	$(BIN)/pytest -q -p no:cacheprovider --durations 8
 
 # The tests that need ucxx (marked ucx; `make test` deselects them). They fail, not skip, without it.
 test-ucx: venv-ucx

@@ -45,6 +45,30 @@ SHM = Path("/dev/shm")
 # vLLM 0.32 on CPU computes rows without a LoRA wrongly when they share a batch with LoRA rows (their outputs
 # differ from the base's by up to 0.5 in log-prob): a LoRA model's base rows run under an adapter of zeros.
 BASE_ROWS = "__base__"
+WORK_PREFIX = "chorus-vllm-"  # + the owner's pid: a dead owner's directory is removed by the next engine's start
+
+
+def sweep_work_dirs(root: Path) -> list[Path]:
+    """Remove the work directories under ``root`` whose owning process is gone (a rollouter SIGKILLed or
+    crashed cannot clean up: its base copy and adapters would stay on tmpfs); returns what was removed."""
+    removed = []
+    for d in root.glob(f"{WORK_PREFIX}*-*"):
+        pid = d.name[len(WORK_PREFIX):].split("-", 1)[0]
+        if not pid.isdigit() or pid_alive(int(pid)):
+            continue
+        shutil.rmtree(d, ignore_errors=True)
+        removed.append(d)
+    return removed
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive, and not ours to clean
+        return True
+    return True
 
 
 class VllmMissing(ConfigError):
@@ -101,7 +125,8 @@ class VllmEngine(Stepwise):
         self._base_rows: Any = None  # a LoRA model's base rows: the LoRARequest of an adapter of zeros
         root = work_dir if work_dir is not None else (SHM if SHM.is_dir() else Path(tempfile.gettempdir()))
         root.mkdir(parents=True, exist_ok=True)
-        self.work_dir = Path(tempfile.mkdtemp(prefix="chorus-vllm-", dir=root))
+        sweep_work_dirs(root)
+        self.work_dir = Path(tempfile.mkdtemp(prefix=f"{WORK_PREFIX}{os.getpid()}-", dir=root))
         base = model.get_base_model() if self.lora else model  # type: ignore[operator]
         model_ctx = context_length(base) or 4096
         self.context = min(settings.max_model_len or model_ctx, model_ctx)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import faulthandler
 import os
 import signal
 import sys
@@ -415,6 +416,8 @@ def main_for(service: type[Service], argv: list[str] | None = None) -> None:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
     setup_logging(run=cfg.run.id)
+    # `kill -USR1 PID` prints every thread's Python stack to stderr (the service's log): where a stuck service is
+    faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
     url = args.nats or cfg.nats.url
     if not url:
         print("error: no NATS URL: pass --nats nats://HOST:PORT or set nats.url in the config", file=sys.stderr)

@@ -46,6 +46,7 @@ STOP_GRACE_S = 20.0
 DRAIN_GRACE_S = 10.0  # the coordinator finishes the episodes in hand before it stops
 READY_TIMEOUT_S = 120.0
 PROGRESS_LINE_S = 10.0  # how often `chorus up` prints a progress line when stdout is not a terminal
+TAIL_BYTES = 256 * 1024  # how much of a log Child.tail reads
 _PR_SET_PDEATHSIG = 1
 
 
@@ -106,10 +107,14 @@ class Child:
         return self.popen.poll() is None
 
     def tail(self, lines: int = 20) -> str:
+        """The log's last ``lines`` lines (read from its last 256 KiB: a log may be large)."""
         try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+            with self.log.open("rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - TAIL_BYTES))
+                text = f.read().decode(errors="replace")
         except OSError:
             return ""
+        return "\n".join(text.splitlines()[-lines:])
 
 
 @dataclass

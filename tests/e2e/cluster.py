@@ -60,5 +60,5 @@ class Cluster:
         """SIGTERM everything, wait, SIGKILL stragglers; returns exit codes."""
         return await self.sup.stop_all(timeout_s)
 
-    def logs(self) -> str:
-        return "\n".join(f"--- {k}\n{c.tail(30)}" for k, c in self.sup.children.items())
+    def logs(self, lines: int = 30) -> str:
+        return "\n".join(f"--- {k}\n{c.tail(lines)}" for k, c in self.sup.children.items())

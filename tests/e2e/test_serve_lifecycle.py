@@ -71,3 +71,27 @@ def test_status_with_the_bus_gone_says_so_and_exits_1(tmp_path: Path) -> None:
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 1
     assert f"cannot reach NATS at {DEAD_URL}" in " ".join(r.stderr.split()), r.stderr
+
+
+def test_sigusr1_prints_every_threads_stack_and_the_service_goes_on(tmp_path: Path) -> None:
+    proc = subprocess.Popen([CHORUS, "serve", "mq", "--config", str(_config(tmp_path, 120)), "--model", "a",
+                             "--nats", DEAD_URL], stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:  # started and retrying: the handler is installed
+            if "nats error" in line:
+                break
+        else:
+            raise AssertionError(f"serve exited before trying to connect (exit {proc.wait()})")
+        proc.send_signal(signal.SIGUSR1)
+        dump = []
+        for line in proc.stderr:
+            dump.append(line)
+            if line.startswith(("Current thread", "Thread 0x")) and "most recent call first" in line:
+                break
+        else:
+            raise AssertionError(f"no stack dump after SIGUSR1 (exit {proc.wait()}):\n{''.join(dump[-20:])}")
+        assert proc.poll() is None  # still serving (retrying its connection)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)

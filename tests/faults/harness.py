@@ -8,6 +8,7 @@ also restarts a process that dies by itself, and counts it: a fault must cost ti
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import signal
 import time
@@ -123,6 +124,7 @@ class FaultRun:
         self.rng = random.Random(seed)
         self.cluster = Cluster(config, broker.url, tmp_path / "logs")
         self.ledger = Ledger(run_id, MODELS, broker.url)
+        self.deadline = float("inf")  # monotonic time by which :meth:`run` must be done (its timeout_s)
         self.intended: set[str] = set()  # keys killed on purpose (not unexpected exits)
         self.unexpected: list[str] = []
         self.log: list[str] = []
@@ -204,7 +206,9 @@ class FaultRun:
         return all(now[m] > before[m] or now[m] >= self.max_versions for m in MODELS)
 
     async def _until(self, cond: Callable[[], Awaitable[bool]], timeout_s: float, what: str) -> None:
-        deadline = time.monotonic() + timeout_s
+        """Wait for ``cond``, at most ``timeout_s`` and never past the whole run's deadline (a run that is slow at
+        every step fails within its timeout, with the services' logs, instead of summing every wait's timeout)."""
+        deadline = min(time.monotonic() + timeout_s, self.deadline)
         while time.monotonic() < deadline:
             try:
                 if await cond():
@@ -212,10 +216,22 @@ class FaultRun:
             except Exception:  # a broker node is down: ask again
                 pass
             await asyncio.sleep(0.3)
-        raise AssertionError(f"{what} within {timeout_s:.0f}s\n" + "\n".join(self.log) + "\n" + self.cluster.logs())
+        spent = "the run's" if deadline == self.deadline else f"{timeout_s:.0f}s"
+        raise AssertionError(f"{what} within {spent} timeout\n" + "\n".join(self.log) + "\n" + await self._stacks())
 
-    async def run(self, faults: list[Fault], *, timeout_s: float = 420.0) -> Outcome:
+    async def _stacks(self) -> str:
+        """Every live process's log tail after it printed each thread's stack (SIGUSR1): where a stalled run is."""
+        for c in self.cluster.sup.children.values():
+            if c.alive():
+                with contextlib.suppress(ProcessLookupError):
+                    c.popen.send_signal(signal.SIGUSR1)
+        await asyncio.sleep(1.0)
+        return self.cluster.logs(lines=80)
+
+    async def run(self, faults: list[Fault], *, timeout_s: float = 900.0) -> Outcome:
+        """The run through ``faults``; every wait in it ends by ``timeout_s`` after the start (then it fails)."""
         t0 = time.monotonic()
+        self.deadline = t0 + timeout_s
         await self.ledger.start()
         self.cluster.start_all(MODELS, rollouters=self.rollouters)
         watcher = asyncio.create_task(self._watch_exits())
@@ -257,7 +273,7 @@ class FaultRun:
         answers when it has started (a vLLM one loads its engine for seconds), which may be after the run ended.
         One that still does not answer after :data:`WAIT_S` is reported as such."""
         instances = {m: self.rollouters for m in MODELS}
-        deadline = time.monotonic() + WAIT_S
+        deadline = min(time.monotonic() + WAIT_S, self.deadline)
         while True:
             paused = await self.ledger.paused_instances(instances)
             silent = [p for p in paused if not p.endswith(": paused")]

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from services.rollouter.backends import BACKENDS
-from services.rollouter.vllm_engine import lora_rank
+from services.rollouter.vllm_engine import WORK_PREFIX, lora_rank, sweep_work_dirs
 from shared.kernel.config import ChorusConfig, ConfigError, RolloutSection
 
 
@@ -48,3 +53,17 @@ def test_chorus_up_refuses_a_vllm_run_where_vllm_is_not_installed(monkeypatch: p
     with pytest.raises(ConfigError, match=r"models.solver_lm.rollouter.backend is vllm.*make venv-vllm"):
         check_backends_installed(cfg)
     check_backends_installed(load_config(ROOT / "configs" / "tiny-chain.yaml"))  # chorus backends need nothing
+
+
+def test_a_dead_rollouters_work_directory_is_swept_and_a_live_ones_kept(tmp_path: Path) -> None:
+    # A SIGKILLed vLLM rollouter leaves its base copy on tmpfs; the next engine's start removes it.
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    gone = tmp_path / f"{WORK_PREFIX}{dead.pid}-abc"
+    mine = tmp_path / f"{WORK_PREFIX}{os.getpid()}-def"
+    other = tmp_path / "chorus-vllm-notapid-x"
+    for d in (gone, mine, other):
+        (d / "base").mkdir(parents=True)
+        (d / "base" / "model.safetensors").write_bytes(b"x" * 10)
+    assert sweep_work_dirs(tmp_path) == [gone]
+    assert not gone.exists() and mine.exists() and other.exists()
