@@ -95,6 +95,32 @@ def test_requests_joining_mid_flight_give_what_each_gives_alone(lora_net: torch.
     assert not engine.busy and engine.reserved == 0
 
 
+def test_grouped_query_attention_rows_give_the_model_s_log_probs() -> None:
+    """Fewer key/value heads than query heads (SmolLM2: 9 and 3): the queries sharing a key/value head attend as
+    one group of rows; decoding rows and rows started mid-step (a cached prefix, the rest merged into the
+    step's forward) give the teacher-forced log-probs of the model."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from shared.models.tokenizer import VOCAB_SIZE
+
+    torch.manual_seed(0)
+    net = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128,
+                                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                       max_position_embeddings=256)).eval()
+    rng = random.Random(7)
+    shared = [BOS_ID] + [rng.randrange(3, 250) for _ in range(24)]
+    ps = [shared + [rng.randrange(3, 250) for _ in range(rng.randrange(1, 9))] for _ in range(9)]
+    settings = [SamplingParams(max_new_tokens=rng.randrange(4, 20), temperature=t, top_p=0.9 if t else 1.0,
+                               ignore_eos=True) for t in (0.0, 0.8, 0.0, 1.0, 0.0, 0.7, 0.0, 0.0, 1.0)]
+    engine = ContinuousEngine(net, TOK, max_batch=3)
+    got = engine.generate(ps, settings)
+    assert engine.stats["merged_prefill_tokens"] > 0 and engine.stats["prefix_hits"] > 0
+    for i, (p, s, g) in enumerate(zip(ps, settings, got, strict=True)):
+        assert len(g.ids) == s.max_new_tokens
+        ref = reference_logprobs(net, p, g.ids, s, None)
+        assert torch.allclose(torch.tensor(g.logprobs), ref, atol=1e-4), i
+
+
 def test_few_row_products_and_padded_rows_compute_what_the_model_computes(lora_net: torch.nn.Module) -> None:
     """On CPU a product of a few token rows follows the kernel plan measured at start (F.linear or W @ X^T, on
     rows padded with zeros or not): the hidden states and logits of 1 to 9 tokens (each adapter, and mixed)
