@@ -80,6 +80,9 @@ def import_vllm() -> Any:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process
     # The rollouter's `threads` setting holds: vLLM pins its OpenMP threads to every core of a NUMA node otherwise.
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    # vLLM posts usage statistics from every engine start (a CPU probe in a subprocess, then an HTTP request with no
+    # timeout); a rollouter does not phone home: VLLM_NO_USAGE_STATS=0 in its environment opts in.
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     try:
         import vllm
     except ImportError as exc:
