@@ -271,14 +271,20 @@ class FaultRun:
     async def _paused_once_answering(self) -> list[str]:
         """The rollouter instances that say they are paused, asked once every instance answers: a restarted one
         answers when it has started (a vLLM one loads its engine for seconds), which may be after the run ended.
-        One that still does not answer after :data:`WAIT_S` is reported as such."""
-        instances = {m: self.rollouters for m in MODELS}
+        The instances are those the coordinator routes to, by model: the balancer may have moved one to the other
+        model under a new name. Fewer than were started, or one that does not answer, after :data:`WAIT_S`, is
+        reported as such."""
+        started = self.rollouters * len(MODELS)
         deadline = min(time.monotonic() + WAIT_S, self.deadline)
         while True:
+            routed = (await self.ledger.status("coordinator")).get("balance", {}).get("instances", {})
+            instances = {m: sorted(routed.get(m, {})) for m in MODELS}
             paused = await self.ledger.paused_instances(instances)
             silent = [p for p in paused if not p.endswith(": paused")]
-            if not silent or time.monotonic() > deadline:
-                return paused
+            count = sum(len(v) for v in instances.values())
+            missing = [] if count >= started else [f"{count} of the {started} instances routed: {instances}"]
+            if (not silent and not missing) or time.monotonic() > deadline:
+                return paused + missing
             await asyncio.sleep(0.5)
 
     def _mid_run(self, fault: Fault) -> bool:

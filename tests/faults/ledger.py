@@ -142,13 +142,13 @@ class Ledger:
             return {}
         return json.loads(msg.data)
 
-    async def paused_instances(self, instances: dict[str, int]) -> list[str]:
-        """Rollouter instances (``model -> count``) that say they are paused, or do not answer."""
+    async def paused_instances(self, instances: dict[str, list[str]]) -> list[str]:
+        """Rollouter instances (``model -> instance names``) that say they are paused, or do not answer."""
         assert self.nc is not None
         out = []
-        for m, n in instances.items():
-            for i in range(n):
-                subject = self.names.rollout_control(m, str(i), "info")
+        for m, names in instances.items():
+            for i in names:
+                subject = self.names.rollout_control(m, i, "info")
                 try:
                     msg = await self.nc.request(subject, encode(RolloutControl(verb="info")), timeout=5)
                     if decode(RolloutControlReply, msg.data).paused:
