@@ -47,6 +47,7 @@ from services.rollouter.engine import (
     tail_has_stop,
 )
 from services.rollouter.kernels import KernelPlan, planned_linear
+from services.rollouter.speculate import PromptLookup, Speculation, verify
 from shared.models.loading import Tokenizer, context_length, shipped_tensors
 from shared.models.tokenizer import ByteTokenizer
 
@@ -116,6 +117,9 @@ class Row:
     stop_ids: frozenset[int] = frozenset()
     slot: int = -1
     admitted_at: float = 0.0
+    lookup: PromptLookup | None = None  # n-gram index of its tokens, built when it first speculates
+    draft: list[int] = field(default_factory=list)  # this step's draft tokens (after the last sampled one)
+    draft_len: int = 0  # how many draft tokens it asks for next (0: the engine's most)
 
     @property
     def tokens(self) -> list[int]:
@@ -189,7 +193,8 @@ class ContinuousEngine(Stepwise):
 
     def __init__(self, model: torch.nn.Module, tokenizer: Tokenizer | None = None, *, version: int = 0,
                  seed: int = 0, max_batch: int = 64, max_tokens: int = 0,
-                 prefix_entries: int = PREFIX_ENTRIES, plan_kernels: bool = True) -> None:
+                 prefix_entries: int = PREFIX_ENTRIES, plan_kernels: bool = True,
+                 speculate: Speculation | None = None) -> None:
         why = support_problem(model)
         if why is not None:
             raise Unsupported(why)
@@ -200,6 +205,7 @@ class ContinuousEngine(Stepwise):
         self.lora = bool(self.adapters)
         self.version = version
         self.max_batch = max_batch
+        self.speculate = speculate if speculate is not None else Speculation()
         self.generator = torch.Generator().manual_seed(seed)
         self.rows_generated = 0
         self.tokens_generated = 0
@@ -237,7 +243,7 @@ class ContinuousEngine(Stepwise):
         self.prefix_entries = prefix_entries
         self.stats = {"steps": 0, "prefills": 0, "prefill_tokens": 0, "shared_prefills": 0, "prefix_hits": 0,
                       "prefix_tokens_saved": 0, "reprefills": 0, "decode_row_steps": 0,
-                      "merged_prefill_tokens": 0}
+                      "merged_prefill_tokens": 0, "spec_steps": 0, "draft_tokens": 0, "accepted_tokens": 0}
 
     # --- the API the batcher uses -------------------------------------------------------------
     def named_tensors(self) -> dict[str, torch.Tensor]:
@@ -544,6 +550,7 @@ class ContinuousEngine(Stepwise):
         few for a row that just started), the logits of each row's last position, one token sampled per row."""
         rows = self.running
         b = len(rows)
+        drafted = self._draft(rows)
         counts = [len(r.pending) for r in rows]
         n_max = max(counts)
         dev = self.device
@@ -590,7 +597,12 @@ class ContinuousEngine(Stepwise):
             return out.transpose(1, 2)[row_of, offset]
 
         hidden = self._run(ids, pos, groups, attend)
-        last = ends - 1
+        if drafted:  # the logits of a drafting row's last sampled token and of each of its draft tokens
+            end_list = ends.tolist()
+            pick = torch.tensor([i for r, e in zip(rows, end_list, strict=True)
+                                 for i in range(e - 1 - len(r.draft), e)], dtype=torch.long, device=dev)
+        else:
+            pick = ends - 1
         for r, c in zip(rows, counts, strict=True):
             r.kv_len += c
             r.pending = []
@@ -598,8 +610,45 @@ class ContinuousEngine(Stepwise):
                 self._remember(r, r.cache_key, r.kv_len)
                 r.cache_key = None
         self.stats["decode_row_steps"] += b
-        self.stats["merged_prefill_tokens"] += len(flat) - b
-        return self._sample(list(rows), self._logits(hidden[last]))
+        self.stats["merged_prefill_tokens"] += len(flat) - b - drafted
+        logits = self._logits(hidden[pick])
+        if drafted:
+            return self._sample_drafts(list(rows), logits)
+        return self._sample(list(rows), logits)
+
+    def _draft(self, rows: Sequence[Row]) -> int:
+        """Give each decoding row a prompt-lookup draft (appended to its pending token) when few rows are in flight
+        (:mod:`.speculate`); the step's positions stay within ``step_tokens``. Returns the draft tokens in all."""
+        spec = self.speculate
+        if not spec.on or len(rows) > spec.max_rows:
+            return 0
+        budget = spec.step_tokens - sum(len(r.pending) for r in rows)
+        wants: list[list[int]] = []
+        for r in rows:
+            k = 0
+            if len(r.pending) == 1 and r.cache_key is None and budget > 0:
+                k = min(r.draft_len or spec.draft_tokens, r.params.max_new_tokens - len(r.ids) - 1)
+                if self.context:
+                    k = min(k, self.context - len(r.prompt) - len(r.ids) - 1)
+            if k <= 0:
+                wants.append([])
+                continue
+            if r.lookup is None:
+                r.lookup = PromptLookup(r.prompt + r.ids, spec.ngram_min, spec.ngram_max)
+            wants.append(r.lookup.draft(k))
+        sizes = [len(w) for w in wants]
+        while sum(sizes) > max(budget, 0):  # over the step's positions: trim the longest drafts first
+            sizes[sizes.index(max(sizes))] -= 1
+        total = 0
+        for r, w, n in zip(rows, wants, sizes, strict=True):
+            r.draft = w[:n]
+            if n:
+                r.pending = r.pending + r.draft
+                total += n
+        if total:
+            self.stats["spec_steps"] += 1
+            self.stats["draft_tokens"] += total
+        return total
 
     def _sample(self, rows: Sequence[Row], logits: torch.Tensor) -> list[Row]:
         """Sample one token per row from ``logits`` [n, V], record it, and retire the rows that end."""
@@ -614,19 +663,60 @@ class ContinuousEngine(Stepwise):
             token = torch.where(greedy, logits.argmax(-1), sampled)
         token_logp = logp.gather(-1, token[:, None]).squeeze(-1)
         tokens, lps = token.tolist(), token_logp.tolist()
+        done = [r for r, t, lp in zip(rows, tokens, lps, strict=True) if self._emit(r, [t], [lp])]
+        return self._retire(done)
+
+    def _sample_drafts(self, rows: Sequence[Row], logits: torch.Tensor) -> list[Row]:
+        """Like :meth:`_sample` for a step with drafts: ``logits`` has ``1 + len(r.draft)`` rows per row; each
+        drafting row keeps the draft's verified prefix and one token of the model (:func:`.speculate.verify`)."""
+        spans = [1 + len(r.draft) for r in rows]
+        temperature = torch.tensor([r.params.temperature for r, n in zip(rows, spans, strict=True) for _ in range(n)],
+                                   dtype=torch.float32, device=logits.device)
+        top_p = torch.tensor([r.params.top_p for r, n in zip(rows, spans, strict=True) for _ in range(n)],
+                             dtype=torch.float32, device=logits.device)
+        logp = behaviour_logprobs(logits, temperature, top_p).cpu()
+        argmax = logits.argmax(-1).tolist()
         done: list[Row] = []
+        at = 0
+        for r, n in zip(rows, spans, strict=True):
+            draft, greedy = r.draft, r.params.temperature <= 0
+            tokens, lps = verify(logp[at : at + n], argmax[at : at + n], draft, greedy, self.generator)
+            at += n
+            if draft:
+                kept = len(tokens) - 1
+                r.kv_len -= len(draft) - kept  # the rejected drafts' keys/values are written over later
+                self.stats["accepted_tokens"] += kept
+                cap = self.speculate.draft_tokens
+                r.draft_len = min(cap, 2 * len(draft)) if kept == len(draft) else max(1, kept + 1)
+                r.draft = []
+            if self._emit(r, tokens, lps):
+                done.append(r)
+        return self._retire(done)
+
+    def _emit(self, r: Row, tokens: Sequence[int], lps: Sequence[float]) -> bool:
+        """Record ``tokens`` (sampled in this step) on ``r`` up to the first that ends it; whether it ended."""
         tok = self.tokenizer
-        for r, t, lp in zip(rows, tokens, lps, strict=True):
+        ended = False
+        n = 0
+        for t, lp in zip(tokens, lps, strict=True):
             r.ids.append(t)
-            r.pending = [t]
             r.logprobs.append(lp)
             r.versions.append(self.version)
+            n += 1
             if t in r.stop_ids or (r.params.stop and tail_has_stop(tok, r.ids, r.params.stop)):
                 r.finish = "stop"
-                done.append(r)
+                ended = True
             elif len(r.ids) >= r.params.max_new_tokens or (self.context and len(r.prompt) + len(r.ids) >= self.context):
                 r.finish = "length"
-                done.append(r)
+                ended = True
+            if ended:
+                break
+        r.pending = [r.ids[-1]]
+        if r.lookup is not None:
+            r.lookup.extend(list(tokens[:n]))
+        return ended
+
+    def _retire(self, done: list[Row]) -> list[Row]:
         for r in done:
             self._remove(r)
             self.rows_generated += 1
@@ -641,6 +731,7 @@ def make_engine(model: torch.nn.Module, tokenizer: Tokenizer | None, *, kind: st
     if kind == "continuous" and support_problem(model) is None:
         return ContinuousEngine(model, tokenizer, **kw)
     kw.pop("max_tokens", None)
+    kw.pop("speculate", None)
     return TorchEngine(model, tokenizer, **kw)
 
 
