@@ -54,6 +54,8 @@ from shared.models.tokenizer import ByteTokenizer
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 LENGTH_STEP = 64  # the pool's length grows in multiples of this
 PREFIX_ENTRIES = 32  # prompts kept in the prefix cache
+GAP_EMA = 0.9  # the learnt cost of a step beyond its products follows the last steps
+DRAFT_DECAY = 0.7  # a row's acceptance estimate weighs its last verifications most
 MERGE_MAX = 16  # a starting row's last tokens computed in the step's shared forward; more are prefilled apart
 # Matrix products of a few token rows (CPU): no fixed rule is fastest on every CPU (SmolLM2's LM head, one
 # thread: on an AVX2 Xeon ``W @ X^T`` of 2 rows took 5.9 ms against 10.1 ms for ``F.linear`` of 1; on an
@@ -119,7 +121,8 @@ class Row:
     admitted_at: float = 0.0
     lookup: PromptLookup | None = None  # n-gram index of its tokens, built when it first speculates
     draft: list[int] = field(default_factory=list)  # this step's draft tokens (after the last sampled one)
-    draft_len: int = 0  # how many draft tokens it asks for next (0: the engine's most)
+    draft_kept: float = 0.0  # draft tokens kept, and draft positions decided, lately (decayed): its acceptance
+    draft_seen: float = 0.0
 
     @property
     def tokens(self) -> list[int]:
@@ -277,7 +280,12 @@ class ContinuousEngine(Stepwise):
         stale = [r for r in self.running if r.kv_version != self.version]
         if stale:
             self._start(stale)
-        finished = self._forward() if self.running else []
+        if self.running:
+            t0 = time.perf_counter()
+            finished = self._forward()
+            self._observe(time.perf_counter() - t0)
+        else:
+            finished = []
         self.stats["steps"] += 1
         return finished
 
@@ -390,6 +398,16 @@ class ContinuousEngine(Stepwise):
         self.kernels = KernelPlan(((n, m.weight) for n, m in named),
                                   enabled=self._plan_kernels and self.device.type == "cpu")
         self._choices = {m: self.kernels.choices(m.weight) for _, m in named}
+        # What a forward pass of t positions costs in matrix products, t = 1..PLAN_ROWS, from the plan's own
+        # timings (every projection of every layer and the head): the price of a draft on this CPU.
+        costs = [self.kernels.cost(m.weight) for _, m in named]
+        if costs and all(c is not None for c in costs):
+            self._step_cost: list[float] | None = [sum(c[t] for c in costs) for t in range(len(costs[0]))]
+            self._gap = 2.0 * self._step_cost[1]  # until steps are observed: streaming the weights, about 3x
+        else:
+            self._step_cost = None
+            self._gap = 0.0
+        self._positions = 0
 
     def kernel_choices(self) -> dict[str, str]:
         """Per weight shape (``"49152x576 head"``), how 1..16 rows are multiplied: ``"t:method"``, ``@r`` when
@@ -555,6 +573,7 @@ class ContinuousEngine(Stepwise):
         n_max = max(counts)
         dev = self.device
         flat = [t for r in rows for t in r.pending]
+        self._positions = len(flat)
         ids = torch.tensor(flat, dtype=torch.long, device=dev)
         base = torch.tensor([r.kv_len for r in rows], dtype=torch.long, device=dev)
         counts_t = torch.tensor(counts, dtype=torch.long, device=dev)
@@ -617,17 +636,25 @@ class ContinuousEngine(Stepwise):
         return self._sample(list(rows), logits)
 
     def _draft(self, rows: Sequence[Row]) -> int:
-        """Give each decoding row a prompt-lookup draft (appended to its pending token) when few rows are in flight
-        (:mod:`.speculate`); the step's positions stay within ``step_tokens``. Returns the draft tokens in all."""
+        """Give decoding rows prompt-lookup drafts (appended to their pending token) when few rows are in flight
+        (:mod:`.speculate`); returns the draft tokens in all.
+
+        How many: draft position m of a row is worth ``a^m`` expected tokens, ``a`` the row's recent acceptance
+        (1/2 before it has any); positions are taken best first, and the step computes the number of them that
+        gives the most expected tokens per unit of the step's cost (:meth:`_cost`), within ``step_tokens``.
+        """
         spec = self.speculate
         if not spec.on or len(rows) > spec.max_rows:
             return 0
-        budget = spec.step_tokens - sum(len(r.pending) for r in rows)
+        used = sum(len(r.pending) for r in rows)
+        budget = spec.step_tokens - used
         wants: list[list[int]] = []
-        for r in rows:
+        gains: list[tuple[float, int]] = []  # (expected tokens, row index) of each draft position
+        for i, r in enumerate(rows):
+            r.draft = []
             k = 0
             if len(r.pending) == 1 and r.cache_key is None and budget > 0:
-                k = min(r.draft_len or spec.draft_tokens, r.params.max_new_tokens - len(r.ids) - 1)
+                k = min(spec.draft_tokens, r.params.max_new_tokens - len(r.ids) - 1)
                 if self.context:
                     k = min(k, self.context - len(r.prompt) - len(r.ids) - 1)
             if k <= 0:
@@ -635,20 +662,54 @@ class ContinuousEngine(Stepwise):
                 continue
             if r.lookup is None:
                 r.lookup = PromptLookup(r.prompt + r.ids, spec.ngram_min, spec.ngram_max)
-            wants.append(r.lookup.draft(k))
-        sizes = [len(w) for w in wants]
-        while sum(sizes) > max(budget, 0):  # over the step's positions: trim the longest drafts first
-            sizes[sizes.index(max(sizes))] -= 1
+            want = r.lookup.draft(k)
+            wants.append(want)
+            a = min((r.draft_kept + 1.0) / (r.draft_seen + 2.0), 0.95)
+            gains += [(a ** (m + 1), i) for m in range(len(want))]
+        if not gains or budget <= 0:
+            return 0
+        gains.sort(key=lambda g: -g[0])
+        gains = gains[:budget]
+        base_cost = self._cost(used)
+        best_n, best_rate, expected = 0, len(rows) / base_cost, float(len(rows))
+        for n, (g, _) in enumerate(gains, start=1):
+            expected += g
+            rate = expected / self._cost(used + n)
+            if rate > best_rate:
+                best_n, best_rate = n, rate
+        sizes = [0] * len(rows)
+        for _, i in gains[:best_n]:
+            sizes[i] += 1
         total = 0
         for r, w, n in zip(rows, wants, sizes, strict=True):
-            r.draft = w[:n]
             if n:
+                r.draft = w[:n]
                 r.pending = r.pending + r.draft
                 total += n
         if total:
             self.stats["spec_steps"] += 1
             self.stats["draft_tokens"] += total
         return total
+
+    def _cost(self, positions: int) -> float:
+        """Seconds a step of ``positions`` tokens is expected to take: the kernel plan's matrix products plus what
+        the plan does not see (weights streamed from memory rather than from a warm cache, attention, norms,
+        sampling), learnt from the steps run (:meth:`_observe`). Where nothing was measured (CUDA, plan off): a
+        pass that grows by a sixteenth per position."""
+        cost = self._step_cost
+        if cost is None:
+            return 1.0 + (positions - 1) / 16.0
+        if positions >= len(cost):
+            return (cost[-1] + self._gap) * positions / (len(cost) - 1)
+        return cost[positions] + self._gap
+
+    def _observe(self, seconds: float) -> None:
+        """Learn the part of a step the kernel plan does not predict, from a step that fits the plan."""
+        cost = self._step_cost
+        if cost is None or not 0 < self._positions < len(cost):
+            return
+        gap = max(seconds - cost[self._positions], 0.0)
+        self._gap = GAP_EMA * self._gap + (1 - GAP_EMA) * gap
 
     def _sample(self, rows: Sequence[Row], logits: torch.Tensor) -> list[Row]:
         """Sample one token per row from ``logits`` [n, V], record it, and retire the rows that end."""
@@ -686,8 +747,9 @@ class ContinuousEngine(Stepwise):
                 kept = len(tokens) - 1
                 r.kv_len -= len(draft) - kept  # the rejected drafts' keys/values are written over later
                 self.stats["accepted_tokens"] += kept
-                cap = self.speculate.draft_tokens
-                r.draft_len = min(cap, 2 * len(draft)) if kept == len(draft) else max(1, kept + 1)
+                # its acceptance: positions decided are the kept ones and the first rejected, if any
+                r.draft_kept = DRAFT_DECAY * r.draft_kept + kept
+                r.draft_seen = DRAFT_DECAY * r.draft_seen + kept + (kept < len(draft))
                 r.draft = []
             if self._emit(r, tokens, lps):
                 done.append(r)

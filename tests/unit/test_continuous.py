@@ -226,6 +226,21 @@ def test_a_speculating_row_ends_where_one_token_at_a_time_would(net: torch.nn.Mo
     assert got.ids == free.ids[: len(got.ids)]
 
 
+def test_the_number_of_draft_positions_follows_the_price_of_a_position(net: torch.nn.Module) -> None:
+    """Drafts are bought where a position costs little: none when every extra position doubles a step's cost,
+    some when positions are nearly free; the ids are the same either way."""
+    p = repetitive_prompts(1, seed=5)[0]
+    out = {}
+    for name, curve in (("steep", [0.0] + [2.0 ** t for t in range(16)]), ("flat", [0.0] + [1.0] * 16)):
+        engine = ContinuousEngine(net, TOK, max_batch=1)
+        assert engine._step_cost is not None  # the CPU path prices positions from its kernel plan
+        engine._step_cost, engine._gap = curve, 0.0
+        got = engine.generate([p], [SamplingParams(40, 0.0, ignore_eos=True)])[0]
+        out[name] = (got.ids, engine.stats["draft_tokens"])
+    assert out["steep"][1] == 0 and out["flat"][1] > 0
+    assert out["steep"][0] == out["flat"][0]
+
+
 def test_sampled_rows_keep_drafts_and_report_the_model_s_log_probs(net: torch.nn.Module) -> None:
     """A peaked model (its head scaled up) sampled at a temperature with a nucleus: drafts are kept, and every
     token's log-prob is the teacher-forced one of the distribution sampled from."""
