@@ -17,8 +17,8 @@ So :class:`KernelPlan` times the three ways with the real weight when the engine
 (out, in, dtype, device, threads) among the engine's plain ``nn.Linear`` layers, at
 :data:`MEASURED_ROWS` rows, and for every row count t up to :data:`PLAN_ROWS` picks the (method, rows r >= t)
 of least time: t rows are padded with zero rows to r (the extra outputs are sliced away, so the result is
-the product of the t rows). More than :data:`PLAN_ROWS` rows, on CUDA, or with the plan disabled:
-``F.linear``, no padding. Plans are cached per process (:data:`PLANS`), so engines of one model measure once.
+the product of the t rows). More than :data:`PLAN_ROWS` rows run unpadded by the method fastest at
+:data:`MANY_ROWS` rows. On CUDA, or with the plan disabled: ``F.linear``, no padding. Plans are cached per process (:data:`PLANS`), so engines of one model measure once.
 """
 
 from __future__ import annotations
