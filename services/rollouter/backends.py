@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from services.rollouter.continuous import make_engine, support_problem
+from services.rollouter.speculate import Speculation
 from shared.kernel.config import ChorusConfig
 from shared.models.loading import Tokenizer, resolve_device
 
@@ -25,7 +26,8 @@ def chorus_engine(cfg: ChorusConfig, model: str, net: torch.nn.Module, tok: Toke
     rc = cfg.models[model].rollouter
     if rc.engine == "continuous" and (why := support_problem(net)) is not None:
         fallbacks.append(f"continuous batching is not available for this model; batching statically ({why})")
-    return make_engine(net, tok, kind=rc.engine, seed=seed, max_batch=rc.max_batch, max_tokens=rc.max_tokens)
+    return make_engine(net, tok, kind=rc.engine, seed=seed, max_batch=rc.max_batch, max_tokens=rc.max_tokens,
+                       speculate=Speculation(**rc.speculate.model_dump()))
 
 
 def vllm_engine(cfg: ChorusConfig, model: str, net: torch.nn.Module, tok: Tokenizer, *, seed: int,

@@ -47,12 +47,15 @@ from services.rollouter.engine import (
     tail_has_stop,
 )
 from services.rollouter.kernels import KernelPlan, planned_linear
+from services.rollouter.speculate import PromptLookup, Speculation, verify
 from shared.models.loading import Tokenizer, context_length, shipped_tensors
 from shared.models.tokenizer import ByteTokenizer
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 LENGTH_STEP = 64  # the pool's length grows in multiples of this
 PREFIX_ENTRIES = 32  # prompts kept in the prefix cache
+GAP_EMA = 0.9  # the learnt cost of a step beyond its products follows the last steps
+DRAFT_DECAY = 0.7  # a row's acceptance estimate weighs its last verifications most
 MERGE_MAX = 16  # a starting row's last tokens computed in the step's shared forward; more are prefilled apart
 # Matrix products of a few token rows (CPU): no fixed rule is fastest on every CPU (SmolLM2's LM head, one
 # thread: on an AVX2 Xeon ``W @ X^T`` of 2 rows took 5.9 ms against 10.1 ms for ``F.linear`` of 1; on an
@@ -116,6 +119,10 @@ class Row:
     stop_ids: frozenset[int] = frozenset()
     slot: int = -1
     admitted_at: float = 0.0
+    lookup: PromptLookup | None = None  # n-gram index of its tokens, built when it first speculates
+    draft: list[int] = field(default_factory=list)  # this step's draft tokens (after the last sampled one)
+    draft_kept: float = 0.0  # draft tokens kept, and draft positions decided, lately (decayed): its acceptance
+    draft_seen: float = 0.0
 
     @property
     def tokens(self) -> list[int]:
@@ -189,7 +196,8 @@ class ContinuousEngine(Stepwise):
 
     def __init__(self, model: torch.nn.Module, tokenizer: Tokenizer | None = None, *, version: int = 0,
                  seed: int = 0, max_batch: int = 64, max_tokens: int = 0,
-                 prefix_entries: int = PREFIX_ENTRIES, plan_kernels: bool = True) -> None:
+                 prefix_entries: int = PREFIX_ENTRIES, plan_kernels: bool = True,
+                 speculate: Speculation | None = None) -> None:
         why = support_problem(model)
         if why is not None:
             raise Unsupported(why)
@@ -200,6 +208,7 @@ class ContinuousEngine(Stepwise):
         self.lora = bool(self.adapters)
         self.version = version
         self.max_batch = max_batch
+        self.speculate = speculate if speculate is not None else Speculation()
         self.generator = torch.Generator().manual_seed(seed)
         self.rows_generated = 0
         self.tokens_generated = 0
@@ -237,7 +246,7 @@ class ContinuousEngine(Stepwise):
         self.prefix_entries = prefix_entries
         self.stats = {"steps": 0, "prefills": 0, "prefill_tokens": 0, "shared_prefills": 0, "prefix_hits": 0,
                       "prefix_tokens_saved": 0, "reprefills": 0, "decode_row_steps": 0,
-                      "merged_prefill_tokens": 0}
+                      "merged_prefill_tokens": 0, "spec_steps": 0, "draft_tokens": 0, "accepted_tokens": 0}
 
     # --- the API the batcher uses -------------------------------------------------------------
     def named_tensors(self) -> dict[str, torch.Tensor]:
@@ -271,7 +280,12 @@ class ContinuousEngine(Stepwise):
         stale = [r for r in self.running if r.kv_version != self.version]
         if stale:
             self._start(stale)
-        finished = self._forward() if self.running else []
+        if self.running:
+            t0 = time.perf_counter()
+            finished = self._forward()
+            self._observe(time.perf_counter() - t0)
+        else:
+            finished = []
         self.stats["steps"] += 1
         return finished
 
@@ -384,6 +398,16 @@ class ContinuousEngine(Stepwise):
         self.kernels = KernelPlan(((n, m.weight) for n, m in named),
                                   enabled=self._plan_kernels and self.device.type == "cpu")
         self._choices = {m: self.kernels.choices(m.weight) for _, m in named}
+        # What a forward pass of t positions costs in matrix products, t = 1..PLAN_ROWS, from the plan's own
+        # timings (every projection of every layer and the head): the price of a draft on this CPU.
+        costs = [self.kernels.cost(m.weight) for _, m in named]
+        if costs and all(c is not None for c in costs):
+            self._step_cost: list[float] | None = [sum(c[t] for c in costs) for t in range(len(costs[0]))]
+            self._gap = 2.0 * self._step_cost[1]  # until steps are observed: streaming the weights, about 3x
+        else:
+            self._step_cost = None
+            self._gap = 0.0
+        self._positions = 0
 
     def kernel_choices(self) -> dict[str, str]:
         """Per weight shape (``"49152x576 head"``), how 1..16 rows are multiplied: ``"t:method"``, ``@r`` when
@@ -544,10 +568,12 @@ class ContinuousEngine(Stepwise):
         few for a row that just started), the logits of each row's last position, one token sampled per row."""
         rows = self.running
         b = len(rows)
+        drafted = self._draft(rows)
         counts = [len(r.pending) for r in rows]
         n_max = max(counts)
         dev = self.device
         flat = [t for r in rows for t in r.pending]
+        self._positions = len(flat)
         ids = torch.tensor(flat, dtype=torch.long, device=dev)
         base = torch.tensor([r.kv_len for r in rows], dtype=torch.long, device=dev)
         counts_t = torch.tensor(counts, dtype=torch.long, device=dev)
@@ -590,7 +616,12 @@ class ContinuousEngine(Stepwise):
             return out.transpose(1, 2)[row_of, offset]
 
         hidden = self._run(ids, pos, groups, attend)
-        last = ends - 1
+        if drafted:  # the logits of a drafting row's last sampled token and of each of its draft tokens
+            end_list = ends.tolist()
+            pick = torch.tensor([i for r, e in zip(rows, end_list, strict=True)
+                                 for i in range(e - 1 - len(r.draft), e)], dtype=torch.long, device=dev)
+        else:
+            pick = ends - 1
         for r, c in zip(rows, counts, strict=True):
             r.kv_len += c
             r.pending = []
@@ -598,8 +629,87 @@ class ContinuousEngine(Stepwise):
                 self._remember(r, r.cache_key, r.kv_len)
                 r.cache_key = None
         self.stats["decode_row_steps"] += b
-        self.stats["merged_prefill_tokens"] += len(flat) - b
-        return self._sample(list(rows), self._logits(hidden[last]))
+        self.stats["merged_prefill_tokens"] += len(flat) - b - drafted
+        logits = self._logits(hidden[pick])
+        if drafted:
+            return self._sample_drafts(list(rows), logits)
+        return self._sample(list(rows), logits)
+
+    def _draft(self, rows: Sequence[Row]) -> int:
+        """Give decoding rows prompt-lookup drafts (appended to their pending token) when few rows are in flight
+        (:mod:`.speculate`); returns the draft tokens in all.
+
+        How many: draft position m of a row is worth ``a^m`` expected tokens, ``a`` the row's recent acceptance
+        (1/2 before it has any); positions are taken best first, and the step computes the number of them that
+        gives the most expected tokens per unit of the step's cost (:meth:`_cost`), within ``step_tokens``.
+        """
+        spec = self.speculate
+        if not spec.on or len(rows) > spec.max_rows:
+            return 0
+        used = sum(len(r.pending) for r in rows)
+        budget = spec.step_tokens - used
+        wants: list[list[int]] = []
+        gains: list[tuple[float, int]] = []  # (expected tokens, row index) of each draft position
+        for i, r in enumerate(rows):
+            r.draft = []
+            k = 0
+            if len(r.pending) == 1 and r.cache_key is None and budget > 0:
+                k = min(spec.draft_tokens, r.params.max_new_tokens - len(r.ids) - 1)
+                if self.context:
+                    k = min(k, self.context - len(r.prompt) - len(r.ids) - 1)
+            if k <= 0:
+                wants.append([])
+                continue
+            if r.lookup is None:
+                r.lookup = PromptLookup(r.prompt + r.ids, spec.ngram_min, spec.ngram_max)
+            want = r.lookup.draft(k)
+            wants.append(want)
+            a = min((r.draft_kept + 1.0) / (r.draft_seen + 2.0), 0.95)
+            gains += [(a ** (m + 1), i) for m in range(len(want))]
+        if not gains or budget <= 0:
+            return 0
+        gains.sort(key=lambda g: -g[0])
+        gains = gains[:budget]
+        base_cost = self._cost(used)
+        best_n, best_rate, expected = 0, len(rows) / base_cost, float(len(rows))
+        for n, (g, _) in enumerate(gains, start=1):
+            expected += g
+            rate = expected / self._cost(used + n)
+            if rate > best_rate:
+                best_n, best_rate = n, rate
+        sizes = [0] * len(rows)
+        for _, i in gains[:best_n]:
+            sizes[i] += 1
+        total = 0
+        for r, w, n in zip(rows, wants, sizes, strict=True):
+            if n:
+                r.draft = w[:n]
+                r.pending = r.pending + r.draft
+                total += n
+        if total:
+            self.stats["spec_steps"] += 1
+            self.stats["draft_tokens"] += total
+        return total
+
+    def _cost(self, positions: int) -> float:
+        """Seconds a step of ``positions`` tokens is expected to take: the kernel plan's matrix products plus what
+        the plan does not see (weights streamed from memory rather than from a warm cache, attention, norms,
+        sampling), learnt from the steps run (:meth:`_observe`). Where nothing was measured (CUDA, plan off): a
+        pass that grows by a sixteenth per position."""
+        cost = self._step_cost
+        if cost is None:
+            return 1.0 + (positions - 1) / 16.0
+        if positions >= len(cost):
+            return (cost[-1] + self._gap) * positions / (len(cost) - 1)
+        return cost[positions] + self._gap
+
+    def _observe(self, seconds: float) -> None:
+        """Learn the part of a step the kernel plan does not predict, from a step that fits the plan."""
+        cost = self._step_cost
+        if cost is None or not 0 < self._positions < len(cost):
+            return
+        gap = max(seconds - cost[self._positions], 0.0)
+        self._gap = GAP_EMA * self._gap + (1 - GAP_EMA) * gap
 
     def _sample(self, rows: Sequence[Row], logits: torch.Tensor) -> list[Row]:
         """Sample one token per row from ``logits`` [n, V], record it, and retire the rows that end."""
@@ -614,19 +724,61 @@ class ContinuousEngine(Stepwise):
             token = torch.where(greedy, logits.argmax(-1), sampled)
         token_logp = logp.gather(-1, token[:, None]).squeeze(-1)
         tokens, lps = token.tolist(), token_logp.tolist()
+        done = [r for r, t, lp in zip(rows, tokens, lps, strict=True) if self._emit(r, [t], [lp])]
+        return self._retire(done)
+
+    def _sample_drafts(self, rows: Sequence[Row], logits: torch.Tensor) -> list[Row]:
+        """Like :meth:`_sample` for a step with drafts: ``logits`` has ``1 + len(r.draft)`` rows per row; each
+        drafting row keeps the draft's verified prefix and one token of the model (:func:`.speculate.verify`)."""
+        spans = [1 + len(r.draft) for r in rows]
+        temperature = torch.tensor([r.params.temperature for r, n in zip(rows, spans, strict=True) for _ in range(n)],
+                                   dtype=torch.float32, device=logits.device)
+        top_p = torch.tensor([r.params.top_p for r, n in zip(rows, spans, strict=True) for _ in range(n)],
+                             dtype=torch.float32, device=logits.device)
+        logp = behaviour_logprobs(logits, temperature, top_p).cpu()
+        argmax = logits.argmax(-1).tolist()
         done: list[Row] = []
+        at = 0
+        for r, n in zip(rows, spans, strict=True):
+            draft, greedy = r.draft, r.params.temperature <= 0
+            tokens, lps = verify(logp[at : at + n], argmax[at : at + n], draft, greedy, self.generator)
+            at += n
+            if draft:
+                kept = len(tokens) - 1
+                r.kv_len -= len(draft) - kept  # the rejected drafts' keys/values are written over later
+                self.stats["accepted_tokens"] += kept
+                # its acceptance: positions decided are the kept ones and the first rejected, if any
+                r.draft_kept = DRAFT_DECAY * r.draft_kept + kept
+                r.draft_seen = DRAFT_DECAY * r.draft_seen + kept + (kept < len(draft))
+                r.draft = []
+            if self._emit(r, tokens, lps):
+                done.append(r)
+        return self._retire(done)
+
+    def _emit(self, r: Row, tokens: Sequence[int], lps: Sequence[float]) -> bool:
+        """Record ``tokens`` (sampled in this step) on ``r`` up to the first that ends it; whether it ended."""
         tok = self.tokenizer
-        for r, t, lp in zip(rows, tokens, lps, strict=True):
+        ended = False
+        n = 0
+        for t, lp in zip(tokens, lps, strict=True):
             r.ids.append(t)
-            r.pending = [t]
             r.logprobs.append(lp)
             r.versions.append(self.version)
+            n += 1
             if t in r.stop_ids or (r.params.stop and tail_has_stop(tok, r.ids, r.params.stop)):
                 r.finish = "stop"
-                done.append(r)
+                ended = True
             elif len(r.ids) >= r.params.max_new_tokens or (self.context and len(r.prompt) + len(r.ids) >= self.context):
                 r.finish = "length"
-                done.append(r)
+                ended = True
+            if ended:
+                break
+        r.pending = [r.ids[-1]]
+        if r.lookup is not None:
+            r.lookup.extend(list(tokens[:n]))
+        return ended
+
+    def _retire(self, done: list[Row]) -> list[Row]:
         for r in done:
             self._remove(r)
             self.rows_generated += 1
@@ -641,6 +793,7 @@ def make_engine(model: torch.nn.Module, tokenizer: Tokenizer | None, *, kind: st
     if kind == "continuous" and support_problem(model) is None:
         return ContinuousEngine(model, tokenizer, **kw)
     kw.pop("max_tokens", None)
+    kw.pop("speculate", None)
     return TorchEngine(model, tokenizer, **kw)
 
 

@@ -17,8 +17,8 @@ So :class:`KernelPlan` times the three ways with the real weight when the engine
 (out, in, dtype, device, threads) among the engine's plain ``nn.Linear`` layers, at
 :data:`MEASURED_ROWS` rows, and for every row count t up to :data:`PLAN_ROWS` picks the (method, rows r >= t)
 of least time: t rows are padded with zero rows to r (the extra outputs are sliced away, so the result is
-the product of the t rows). More than :data:`PLAN_ROWS` rows, on CUDA, or with the plan disabled:
-``F.linear``, no padding. Plans are cached per process (:data:`PLANS`), so engines of one model measure once.
+the product of the t rows). More than :data:`PLAN_ROWS` rows run unpadded by the method fastest at
+:data:`MANY_ROWS` rows. On CUDA, or with the plan disabled: ``F.linear``, no padding. Plans are cached per process (:data:`PLANS`), so engines of one model measure once.
 """
 
 from __future__ import annotations
@@ -30,8 +30,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-PLAN_ROWS = 16  # products of at most this many rows follow the plan; more: F.linear, unpadded
+PLAN_ROWS = 16  # products of at most this many rows follow the plan
 MEASURED_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16)
+# more rows (a batch's decode step): unpadded, by the method fastest at this many rows (the LM head of a batch of
+# 32 on an AVX2 EPYC: 49 ms with F.linear, 32 ms with oneDNN)
+MANY_ROWS = 32
 # F.linear(x, w) | torch.mm(w, x.t()).t() | oneDNN's linear on a prepacked copy of the weight (the kernel
 # vLLM's CPU build uses): on an AMX Xeon, SmolLM2's head of 8 rows took 42 ms with F.linear, 36 with W @ X^T
 # and 20 with oneDNN, and the whole engine ran 1.4x faster at batch 8 but 0.8x at batch 1: measured, not assumed
@@ -103,12 +106,15 @@ def choose(times: Mapping[Choice, float], pad: float = 0.0, rows: int = PLAN_ROW
     out: list[Choice] = [("linear", 0)]
     for t in range(1, rows + 1):
         cands = [(s + (pad if r > t else 0.0), r, METHODS.index(m)) for (m, r), s in times.items()
-                 if r >= t and m in METHODS]
+                 if rows >= r >= t and m in METHODS]
         best = min(cands, default=None)
         exact = min((c for c in cands if c[1] == t), default=None)
         if best is not None and exact is not None and best[0] * (1 + PAD_MARGIN) > exact[0]:
             best = exact
         out.append((METHODS[best[2]], best[1]) if best is not None else ("linear", t))
+    many = [(s, METHODS.index(m)) for (m, r), s in times.items() if r == MANY_ROWS and m in METHODS]
+    if many:  # index rows + 1: more than ``rows`` rows, unpadded (0)
+        out.append((METHODS[min(many)[1]], 0))
     return tuple(out)
 
 
@@ -123,14 +129,18 @@ class ShapePlan:
 
     def summary(self) -> str:
         """``"1:mm 2:linear 3:linear@4 ..."``: t rows run as method, padded to @r rows where r > t."""
-        return " ".join(f"{t}:{m}" + (f"@{r}" if r > t else "") for t, (m, r) in enumerate(self.choices) if t)
+        few = " ".join(f"{t}:{m}" + (f"@{r}" if r > t else "")
+                       for t, (m, r) in enumerate(self.choices[: PLAN_ROWS + 1]) if t)
+        many = f" >{PLAN_ROWS}:{self.choices[PLAN_ROWS + 1][0]}" if len(self.choices) > PLAN_ROWS + 1 else ""
+        return few + many
 
 
 def shape_key(w: torch.Tensor) -> Key:
     return (int(w.shape[0]), int(w.shape[1]), w.dtype, str(w.device), torch.get_num_threads())
 
 
-def measure(w: torch.Tensor, timer: Timer | None = None, rows: Sequence[int] = MEASURED_ROWS) -> ShapePlan:
+def measure(w: torch.Tensor, timer: Timer | None = None,
+            rows: Sequence[int] = (*MEASURED_ROWS, MANY_ROWS)) -> ShapePlan:
     """Time every method at every row count with the weight ``w`` (``timer`` defaults to :func:`time_product`)."""
     timer = timer or time_product
     methods = [m for m in METHODS if m != "onednn" or timer is not time_product or onednn_available()]
@@ -182,8 +192,25 @@ class KernelPlan:
         plan = self.plans.get(shape_key(w))
         return plan.choices if plan is not None else None
 
+    def cost(self, w: torch.Tensor) -> list[float] | None:
+        """Seconds a product of ``w`` with t rows takes as planned, t = 0..PLAN_ROWS (index 0: 0), from the
+        measured times; None without a plan for it."""
+        plan = self.plans.get(shape_key(w))
+        if plan is None:
+            return None
+        out = [0.0]
+        for t in range(1, PLAN_ROWS + 1):
+            method, r = plan.choices[t]
+            s = plan.times.get((method, r))
+            if s is None:  # an unpadded product between two measured row counts: the next measured one's
+                s = min((v for (m, rr), v in plan.times.items() if m == method and PLAN_ROWS >= rr >= t),
+                        default=out[-1])
+            out.append(s + (plan.pad if r > t else 0.0))
+        return out
+
     def summary(self) -> dict[str, str]:
-        """Per weight shape (``"576x576 q_proj,o_proj"``), the choice for 1..PLAN_ROWS rows; empty when off."""
+        """Per weight shape (``"576x576 q_proj,o_proj"``), the choice for 1..PLAN_ROWS rows and for more; empty when
+        off."""
         return {f"{k[0]}x{k[1]} {','.join(self.roles[k])}": p.summary() for k, p in self.plans.items()}
 
 
@@ -191,9 +218,14 @@ def planned_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
                    choices: Sequence[Choice] | None) -> torch.Tensor:
     """``F.linear(x, w, b)`` for x [t, in], computed as ``choices[t]`` says (zero rows appended up to its r)."""
     t = x.shape[0]
-    if choices is None or t > PLAN_ROWS or t == 0:
+    if choices is None or t == 0:
         return F.linear(x, w, b)
-    method, r = choices[t]
+    if t > PLAN_ROWS:
+        if len(choices) <= PLAN_ROWS + 1 or choices[PLAN_ROWS + 1][0] == "linear":
+            return F.linear(x, w, b)
+        method, r = choices[PLAN_ROWS + 1][0], t
+    else:
+        method, r = choices[t]
     if r > t:
         x = torch.cat((x, x.new_zeros((r - t, x.shape[1]))))
     if method == "mm":
@@ -207,5 +239,5 @@ def planned_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
     return F.linear(x, w, b)
 
 
-__all__ = ["BUDGET_S", "MEASURED_ROWS", "METHODS", "PLANS", "PLAN_ROWS", "KernelPlan", "ShapePlan", "choose",
+__all__ = ["BUDGET_S", "MANY_ROWS", "MEASURED_ROWS", "METHODS", "PLANS", "PLAN_ROWS", "KernelPlan", "ShapePlan", "choose",
            "measure", "planned_linear", "time_product"]

@@ -160,6 +160,24 @@ class VllmSection(Section):
     extra: dict[str, Any] = Field(default_factory=dict)  # more vllm.EngineArgs fields, passed through
 
 
+class SpeculateSection(Section):
+    """Prompt-lookup speculative decoding in Chorus's continuous engine (docs/rollout.md): while few rows are in
+    flight, each row's last tokens are looked up in its own prompt and output, and the tokens that followed there
+    are verified in the step's one forward pass. Exact: greedy ids and the sampled distribution are unchanged."""
+
+    draft_tokens: int = Field(default=8, ge=0)  # most draft tokens per row and step (0: off)
+    max_rows: int = Field(default=4, ge=1)  # speculate only while at most this many rows are in flight
+    step_tokens: int = Field(default=16, ge=2)  # positions a speculating step computes: its rows and their drafts
+    ngram_max: int = Field(default=3, ge=1)  # the longest suffix looked up
+    ngram_min: int = Field(default=1, ge=1)  # the shortest
+
+    @model_validator(mode="after")
+    def _ngrams(self) -> SpeculateSection:
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"ngram_min ({self.ngram_min}) is above ngram_max ({self.ngram_max})")
+        return self
+
+
 class RolloutSection(Section):
     instances: int = Field(default=1, ge=1)
     max_batch: int = Field(default=64, ge=1)
@@ -179,6 +197,7 @@ class RolloutSection(Section):
     # with the knobs of `vllm`. The rollouter's protocol, syncs and partial rollout are the same for both.
     backend: Literal["chorus", "vllm"] = "chorus"
     vllm: VllmSection = Field(default_factory=VllmSection)
+    speculate: SpeculateSection = Field(default_factory=SpeculateSection)  # continuous engine only
 
 
 class OptimSection(Section):

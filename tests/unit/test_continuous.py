@@ -9,6 +9,7 @@ import torch
 
 from services.rollouter.continuous import ContinuousEngine, support_problem
 from services.rollouter.engine import SamplingParams, TorchEngine, behaviour_logprobs
+from services.rollouter.speculate import OFF, Speculation
 from shared.kernel.config import ChorusConfig
 from shared.models.loading import load_model
 from shared.models.tokenizer import BOS_ID, ByteTokenizer
@@ -168,6 +169,98 @@ def test_stop_ids_and_stop_strings_are_per_row(net: torch.nn.Module) -> None:
     assert got[2].finish == "stop" and text[8:10] in TOK.decode(got[2].ids) and len(got[2].ids) < 30
 
 
+def repetitive_prompts(n: int, seed: int) -> list[list[int]]:
+    """Prompts whose tokens repeat, so prompt lookup finds drafts from the first step."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        motif = [rng.randrange(3, 250) for _ in range(rng.randrange(2, 6))]
+        out.append([BOS_ID] + motif * rng.randrange(2, 5) + [rng.randrange(3, 250) for _ in range(rng.randrange(0, 4))])
+    return out
+
+
+def test_speculative_decoding_changes_no_greedy_id_and_no_log_prob(lora_net: torch.nn.Module) -> None:
+    """Few rows in flight: prompt-lookup drafts verified in the step's forward pass. Greedy ids and log-probs are
+    those of decoding one token at a time (speculation off), on base and adapter rows mixed in one batch, with
+    drafts both kept and rejected, in fewer steps."""
+    ps = repetitive_prompts(6, seed=1) + prompts(4, seed=2)
+    adapters = [None, "x", "y", "x", None, "y", "x", None, "y", "x"]
+    settings = [SamplingParams(max_new_tokens=random.Random(i).randrange(10, 40), temperature=0.0, ignore_eos=True)
+                for i in range(len(ps))]
+    plain = ContinuousEngine(lora_net, TOK, max_batch=3, speculate=OFF)
+    want = plain.generate(ps, settings, adapters)
+    spec = ContinuousEngine(lora_net, TOK, max_batch=3, speculate=Speculation(draft_tokens=6, max_rows=3))
+    got = spec.generate(ps, settings, adapters)
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g.ids == w.ids, f"row {i} (adapter {adapters[i]}) differs with speculation"
+        assert torch.allclose(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=1e-4), i
+        assert g.finish == "length" and g.versions == [0] * len(g.ids)
+    st = spec.stats
+    assert plain.stats["draft_tokens"] == 0
+    assert 0 < st["accepted_tokens"] < st["draft_tokens"]  # drafts kept and drafts rejected
+    assert st["steps"] < plain.stats["steps"]
+    assert not spec.busy and spec.reserved == 0
+
+
+def test_a_speculating_row_ends_where_one_token_at_a_time_would(net: torch.nn.Module) -> None:
+    """A stop id, a stop string or max_new_tokens inside an accepted draft ends the row at that token."""
+    p = repetitive_prompts(1, seed=5)[0]
+    free = ContinuousEngine(net, TOK, max_batch=1, speculate=OFF).generate(
+        [p], [SamplingParams(48, 0.0, ignore_eos=True)])[0]
+    engine = ContinuousEngine(net, TOK, max_batch=1)
+    again = engine.generate([p], [SamplingParams(48, 0.0, ignore_eos=True)])[0]
+    assert again.ids == free.ids and engine.stats["accepted_tokens"] > 0
+    for n in (1, 2, 5, 13, 29):
+        got = ContinuousEngine(net, TOK, max_batch=1).generate([p], [SamplingParams(n, 0.0, ignore_eos=True)])[0]
+        assert got.ids == free.ids[:n] and got.finish == "length" and len(got.logprobs) == n
+    for at in (3, 17, 30):
+        stop_id = free.ids[at]
+        got = ContinuousEngine(net, TOK, max_batch=1).generate(
+            [p], [SamplingParams(48, 0.0, stop_ids=(stop_id,), ignore_eos=True)])[0]
+        assert got.ids == free.ids[: free.ids.index(stop_id) + 1] and got.finish == "stop"
+    text = TOK.decode(free.ids)
+    stop = text[20:22]
+    got = ContinuousEngine(net, TOK, max_batch=1).generate([p], [SamplingParams(48, 0.0, stop=(stop,),
+                                                                                ignore_eos=True)])[0]
+    assert got.finish == "stop" and stop in TOK.decode(got.ids) and stop not in TOK.decode(got.ids[:-1])
+    assert got.ids == free.ids[: len(got.ids)]
+
+
+def test_the_number_of_draft_positions_follows_the_price_of_a_position(net: torch.nn.Module) -> None:
+    """Drafts are bought where a position costs little: none when every extra position doubles a step's cost,
+    some when positions are nearly free; the ids are the same either way."""
+    p = repetitive_prompts(1, seed=5)[0]
+    out = {}
+    for name, curve in (("steep", [0.0] + [2.0 ** t for t in range(16)]), ("flat", [0.0] + [1.0] * 16)):
+        engine = ContinuousEngine(net, TOK, max_batch=1)
+        assert engine._step_cost is not None  # the CPU path prices positions from its kernel plan
+        engine._step_cost, engine._gap = curve, 0.0
+        got = engine.generate([p], [SamplingParams(40, 0.0, ignore_eos=True)])[0]
+        out[name] = (got.ids, engine.stats["draft_tokens"])
+    assert out["steep"][1] == 0 and out["flat"][1] > 0
+    assert out["steep"][0] == out["flat"][0]
+
+
+def test_sampled_rows_keep_drafts_and_report_the_model_s_log_probs(net: torch.nn.Module) -> None:
+    """A peaked model (its head scaled up) sampled at a temperature with a nucleus: drafts are kept, and every
+    token's log-prob is the teacher-forced one of the distribution sampled from."""
+    import copy
+
+    sharp = copy.deepcopy(net)
+    with torch.no_grad():
+        sharp.lm_head.weight.mul_(40.0)
+    ps = repetitive_prompts(3, seed=8)
+    settings = [SamplingParams(30, 1.0, ignore_eos=True), SamplingParams(30, 0.7, top_p=0.9, ignore_eos=True),
+                SamplingParams(25, 1.0, top_p=0.8, ignore_eos=True)]  # every row sampled
+    engine = ContinuousEngine(sharp, TOK, max_batch=4, seed=3)
+    got = engine.generate(ps, settings)
+    assert 0 < engine.stats["accepted_tokens"] < engine.stats["draft_tokens"]
+    for p, s, g in zip(ps, settings, got, strict=True):
+        assert len(g.ids) == s.max_new_tokens
+        ref = reference_logprobs(sharp, p, g.ids, s, None)
+        assert torch.allclose(torch.tensor(g.logprobs), ref, atol=1e-4)
+
+
 def test_a_group_shares_one_prefill_and_a_common_prefix_is_prefilled_once(net: torch.nn.Module) -> None:
     system = prompts(1, seed=4)[0] + [33] * 20
     questions = [system + [40 + i, 41, 42] for i in range(3)]
@@ -206,13 +299,16 @@ def test_the_kv_budget_bounds_rows_in_flight_in_fifo_order(net: torch.nn.Module)
     engine = ContinuousEngine(net, TOK, max_batch=8, max_tokens=budget)
     rows = [engine.row(p, s, handle=i) for i, (p, s) in enumerate(zip(ps, settings, strict=True))]
     started: list[int] = []
+    held = 0  # steps where rows waited with free slots: the budget, not max_batch, held them
     pending = rows
     while pending or engine.busy:
         engine.step(pending)
         pending = []
-        assert engine.reserved <= budget and len(engine.running) <= 2
+        assert engine.reserved <= budget
+        held += bool(engine.waiting) and len(engine.running) < engine.max_batch
         started += [r.handle for r in engine.running if r.handle not in started]
     assert started == sorted(started)  # FIFO
+    assert held > 0
     with pytest.raises(ValueError, match="rollouter.max_tokens"):
         engine.row(ps[0], SamplingParams(budget, 0.0))
 
@@ -225,10 +321,11 @@ def test_weights_changed_mid_generation_reprefill_and_each_token_keeps_its_versi
     before = {k: v.clone() for k, v in net.state_dict().items()}
     engine = ContinuousEngine(net, TOK, max_batch=4)
     rows = [engine.row(p, s, handle=i) for i, (p, s) in enumerate(zip(ps, settings, strict=True))]
-    done = engine.step(rows)  # one token per row and step
-    for _ in range(7):
+    done = engine.step(rows)  # one token per row and step, more where a draft is accepted
+    while max(len(r.ids) for r in rows) < 8:
         done += engine.step()
-    assert not done and all(len(r.ids) == 8 for r in rows)
+    assert not done and all(len(r.ids) >= 1 for r in rows)
+    first = [len(r.ids) for r in rows]  # tokens of version 0
     try:
         with torch.no_grad():
             for p in net.parameters():
@@ -238,8 +335,8 @@ def test_weights_changed_mid_generation_reprefill_and_each_token_keeps_its_versi
             done += engine.step()
         after = {k: v.clone() for k, v in net.state_dict().items()}
         assert engine.stats["reprefills"] == 3
-        for r in rows:
-            assert r.versions == [0] * 8 + [1] * (len(r.ids) - 8)
+        for r, n in zip(rows, first, strict=True):
+            assert r.versions == [0] * n + [1] * (len(r.ids) - n)
         # each token's log-prob is that of the weights it names (teacher-forced, full forward, per version)
         for version, state in ((0, before), (1, after)):
             net.load_state_dict(state)

@@ -9,7 +9,15 @@ import torch.nn.functional as F
 from services.rollouter import kernels
 from services.rollouter.continuous import ContinuousEngine
 from services.rollouter.engine import SamplingParams
-from services.rollouter.kernels import MEASURED_ROWS, METHODS, PLAN_ROWS, KernelPlan, choose, planned_linear
+from services.rollouter.kernels import (
+    MANY_ROWS,
+    MEASURED_ROWS,
+    METHODS,
+    PLAN_ROWS,
+    KernelPlan,
+    choose,
+    planned_linear,
+)
 from shared.kernel.config import ChorusConfig
 from shared.models.loading import load_model
 from shared.models.tokenizer import ByteTokenizer
@@ -31,10 +39,11 @@ def test_the_plan_gives_every_row_count_a_measured_padding_and_a_known_method() 
     w = torch.randn(96, 64)
     plan = KernelPlan([("q_proj", w)])
     choices = plan.choices(w)
-    assert choices is not None and len(choices) == PLAN_ROWS + 1
+    assert choices is not None and len(choices) == PLAN_ROWS + 2
     for t in range(1, PLAN_ROWS + 1):
         method, r = choices[t]
         assert method in METHODS and r >= t and r in MEASURED_ROWS
+    assert choices[PLAN_ROWS + 1][0] in METHODS and choices[PLAN_ROWS + 1][1] == 0  # more rows: unpadded
     assert list(plan.summary()) == ["96x64 q_proj"]
 
 
@@ -64,6 +73,39 @@ def test_the_cheapest_padded_choice_wins() -> None:
     # padding's own cost counts: 3 rows pad to 4 only where that saves more than the copy
     times[("linear", 3)], times[("linear", 4)] = 1.0, 0.5
     assert choose(times, pad=0.1)[3] == ("linear", 4) and choose(times, pad=0.6)[3] == ("linear", 3)
+
+
+def test_the_planned_cost_of_t_rows_is_the_chosen_product_s_time_and_its_padding() -> None:
+    def timer(method: str, w: torch.Tensor, rows: int) -> float:
+        if method == "pad":
+            return 1.0
+        return 20.0 * rows if method == "linear" else 12.0 + (0 if rows >= 2 else 100)
+
+    w = torch.randn(8, 8)
+    plan = KernelPlan([("head", w)], timer=timer)
+    cost = plan.cost(w)
+    assert cost is not None and len(cost) == PLAN_ROWS + 1 and cost[0] == 0.0
+    assert cost[1] == 12.0 + 1.0  # W @ X^T of 2 rows, one padded
+    assert cost[2] == cost[8] == 12.0 and cost[9] == 13.0
+    assert KernelPlan([("head", w)], enabled=False).cost(w) is None
+
+
+def test_more_rows_than_the_plan_run_unpadded_by_the_method_fastest_at_many_rows() -> None:
+    def timer(method: str, w: torch.Tensor, rows: int) -> float:
+        if method == "pad":
+            return 1.0
+        return {"linear": 3.0, "mm": 2.0, "onednn": 1.0 if rows == MANY_ROWS else 5.0}[method] * rows
+
+    w = torch.randn(24, 16)
+    plan = KernelPlan([("head", w)], timer=timer)
+    choices = plan.choices(w)
+    assert choices is not None and choices[PLAN_ROWS + 1] == ("onednn", 0)
+    assert all(choices[t][0] == "mm" for t in range(1, PLAN_ROWS + 1))
+    assert plan.summary()["24x16 head"].endswith(f" >{PLAN_ROWS}:onednn")
+    x = torch.randn(PLAN_ROWS + 5, 16)
+    for method in METHODS:
+        got = planned_linear(x, w, None, (*choices[: PLAN_ROWS + 1], (method, 0)))
+        torch.testing.assert_close(got, F.linear(x, w), atol=1e-5, rtol=1e-5)
 
 
 def test_planned_products_equal_f_linear_for_every_choice() -> None:
@@ -115,7 +157,7 @@ def test_a_second_engine_reuses_the_measured_plan(monkeypatch: pytest.MonkeyPatc
     first = ContinuousEngine(net, TOK, max_batch=2)
     shapes = {(o, i) for _, o, i in calls}
     assert len(shapes) == 4 and first.kernels.measured == 4  # q/k/v/o, gate/up, down, head
-    assert len(calls) == 4 * (len(METHODS) * len(MEASURED_ROWS) + 1)  # and the padding's cost
+    assert len(calls) == 4 * (len(METHODS) * (len(MEASURED_ROWS) + 1) + 1)  # and many rows, and the padding
     calls.clear()
     second = ContinuousEngine(net, TOK, max_batch=2)
     assert calls == [] and second.kernels.measured == 0
