@@ -329,6 +329,8 @@ async def test_a_sync_in_interrupt_mode_continues_rows_mid_generation_under_the_
 
     cfg = write_config(tmp_path, run_id)
     cfg.models[MODEL].rollouter.on_sync = "interrupt"
+    # one token per row and step (no speculation): rows are surely mid-generation when the sync arrives
+    cfg.models[MODEL].rollouter.speculate.draft_tokens = 0
     step = ContinuousEngine.step
 
     def slow_step(self: ContinuousEngine, new_rows: object = ()) -> object:
