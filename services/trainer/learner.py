@@ -223,11 +223,14 @@ class Learner:
             ref = self._reference_logprobs(batch) if self.kl_loss else None
             adv = token_layout([advantages[i] for i in idx], batch.loss_mask)
             loss, stats = self._policy_loss(logp, batch.logp_behav, adv, batch.loss_mask, ref)
-            loss.backward()
+            self._backward(loss)
             loss_sum += float(loss.detach())
             parts.append(stats)
         self._add_stats(len(samples), loss_sum, parts)
         return loss_sum
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
 
     def _logprobs(self, scorer: ResponseScorer, batch: Collated | SharedBatch) -> torch.Tensor:
         if isinstance(batch, SharedBatch):
@@ -240,9 +243,22 @@ class Learner:
         """log pi_ref of the batch's response tokens, no gradient: the base of a LoRA model (adapters disabled),
         else the frozen copy of the starting weights."""
         assert self.reference is not None
-        off = self.net.disable_adapter() if self.lora else contextlib.nullcontext()  # type: ignore[operator]
-        with torch.no_grad(), off:
+        with torch.no_grad(), self._adapters_off():
             return self._logprobs(self.reference, batch)
+
+    @contextlib.contextmanager
+    def _adapters_off(self) -> Iterator[None]:
+        """A LoRA model's base alone (its adapters disabled), then every adapter trainable again: peft's re-enable
+        makes only its active adapter trainable, which would freeze the others from the first KL forward on."""
+        if not self.lora:
+            yield
+            return
+        try:
+            with self.net.disable_adapter():  # type: ignore[operator]
+                yield
+        finally:
+            for p in self.trainable:
+                p.requires_grad_(True)
 
     def reward_penalties(self, samples: Sequence[Sample]) -> list[np.ndarray]:
         """kl_in reward: ``kl_coef * k_t(mu, pi_ref)`` per response token of each sample, from its behaviour

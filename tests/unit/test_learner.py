@@ -290,6 +290,22 @@ def test_an_adapter_without_rows_in_the_step_is_left_exactly_as_it_was(tmp_path)
     assert any(not torch.equal(now[k], before[k]) for k in before if adapter_of_tensor(k, ["sol"]) == "sol")
 
 
+def test_with_a_kl_term_every_adapter_keeps_training_after_the_first_reference_forward(tmp_path):
+    # the KL reference is the base with the adapters disabled; re-enabling them must leave all of them trainable
+    cfg = make_lora_cfg(tmp_path, global_batch=4)
+    cfg.train.kl_coef, cfg.train.kl_in = 0.1, "loss"
+    learner = Learner(cfg, "m")
+    for step in range(3):
+        before = all_params(learner)
+        batch = [with_adapter(make_sample(4 * step + i, resp_len=2 + i % 3), ("sol", "ver")[i % 2]) for i in range(4)]
+        learner.accumulate(batch, [1.0, 0.5, -1.0, -0.5])
+        assert learner.step() is not None
+        now = dict(learner.net.named_parameters())
+        for adapter in ("sol", "ver"):
+            mine = [k for k in before if adapter_of_tensor(k, ["sol", "ver"]) == adapter]
+            assert any(not torch.equal(now[k], before[k]) for k in mine), (step, adapter)
+
+
 def test_a_mixed_batch_makes_the_same_step_as_one_batch_per_adapter(tmp_path):
     cfg = make_lora_cfg(tmp_path, global_batch=4)
     batch = [with_adapter(make_sample(i, resp_len=2 + i % 3), "sol" if i < 2 else "ver") for i in range(4)]
