@@ -10,7 +10,7 @@ CONFIG ?= configs/demo.yaml
 # The extras `make venv` installs. Not ucx: ucxx-cu12 pulls CUDA libraries (make venv-ucx adds it).
 VENV_EXTRAS := dev
 
-.PHONY: venv venv-ucx venv-vllm test-vllm demo test test-cuda test-ucx e2e faults soak lint plot bench docs check-cpu-deps clean
+.PHONY: venv venv-ucx venv-vllm test-vllm venv-deepspeed test-deepspeed demo test test-cuda test-ucx e2e faults soak lint plot bench docs check-cpu-deps clean
 
 venv: $(STAMP)
 
@@ -49,9 +49,20 @@ $(VLLM_STAMP): pyproject.toml
 	$(VENV_VLLM)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
 	touch $@
 
-# Each test within 10 minutes (the longest takes about two here); the slowest are listed at the end.
+# Each test within 15 minutes (the longest takes two to three here; its own limits end first, with its logs);
+# the slowest are listed at the end.
 test-vllm: venv-vllm
-	$(VENV_VLLM)/bin/pytest -q -p no:cacheprovider -m vllm --timeout 600 --durations 8
+	$(VENV_VLLM)/bin/pytest -q -p no:cacheprovider -m vllm --timeout 900 --durations 8
+
+# DeepSpeed as a trainer backend (models.<m>.trainer.backend: deepspeed): the deepspeed extra in .venv (with the CPU
+# torch it pulls no CUDA library, which the dependency check proves). `make test-deepspeed` runs the tests marked
+# deepspeed (ZeRO-1/2/3 against the torch learner, a run with a 2-rank group, its ranks killed).
+venv-deepspeed: venv
+	$(BIN)/pip install -e '.[dev,deepspeed]'
+	$(BIN)/python -m shared.launcher.depcheck dev deepspeed
+
+test-deepspeed: venv-deepspeed
+	$(BIN)/pytest -q -p no:cacheprovider -m deepspeed --timeout 900 --durations 8
 
 demo: venv
 	$(BIN)/chorus up $(CONFIG)

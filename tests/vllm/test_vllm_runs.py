@@ -40,7 +40,7 @@ def vllm_config(tmp_path: Path, run_id: str, **train: object) -> Path:
 
 
 async def test_tiny_chain_on_vllm_learns_on_both_models(nats_url, run_id, tmp_path):
-    code, text = await chorus_up(vllm_config(tmp_path, run_id), nats_url, 540)  # inside make test-vllm's 600 s
+    code, text = await chorus_up(vllm_config(tmp_path, run_id), nats_url, 540)  # with its stop, well inside make test-vllm's 900 s
     assert code == 0, text[-4000:]
     run_dir = sorted((tmp_path / "runs").glob(f"{run_id}-*"))[-1]
     logs = "".join(p.read_text() for p in (run_dir / "logs").glob("rollouter-*.log"))
@@ -126,7 +126,7 @@ async def test_a_vllm_rollouter_killed_mid_run_loses_nothing_and_trains_nothing_
     broker = Broker.single(tmp_path / "nats")
     try:
         fault_run = FaultRun(tmp_path, run_id, broker, config, max_versions=40, rollouters=2)
-        outcome = await fault_run.run(faults, timeout_s=480)  # its stacks and stop inside the 600 s
+        outcome = await fault_run.run(faults, timeout_s=480)  # its stacks and stop well inside the 900 s
     finally:
         broker.stop()
     assert not outcome.problems, describe(outcome)
