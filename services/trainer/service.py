@@ -32,6 +32,7 @@ from services.trainer.commits import CommitPointError, Commits, Fenced
 from services.trainer.intake import SeenIds, StepBook, filter_samples
 from services.trainer.learner import Learner, StepResult, adapter_problem
 from services.trainer.state import Committed, RecentSteps, pack_state, steps_remembered, unpack_state
+from services.trainer.zero import TrainerGroup, make_learner
 from shared.kernel import events
 from shared.kernel.bus import fetch, kv_put_int_max, pull_consumer, stream_seq
 from shared.kernel.codec import DecodeError, decode, encode
@@ -93,7 +94,12 @@ class TrainerService(Service):
         self.done = False
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"trainer-{self.model}",
                                         initializer=_init_worker, initargs=(self.train.threads,))
-        self.learner: Learner = await self._torch(Learner, self.cfg, self.model)
+        # the torch learner, or rank 0 of a DeepSpeed trainer group (models.<m>.trainer.backend)
+        self.learner: Learner = await self._torch(make_learner, self.cfg, self.model, self.train.threads)
+        if isinstance(self.learner, TrainerGroup):
+            self.log.info("trainer group", backend="deepspeed", ranks=self.learner.world,
+                          zero_stage=self.learner.stage)
+            self.spawn(self._group_watch(), "group-watch")
         await self._restore()
         # A new consumer delivers at once what the last one held unacked (a dead trainer's micro-batches would
         # otherwise wait out the ack wait).
@@ -121,6 +127,8 @@ class TrainerService(Service):
         # A late status reply to the last fetch would sit unread in the pull subscription and stall drain().
         await self.release(getattr(self, "sub", None))
         await self.nc.flush(timeout=5)
+        if isinstance(getattr(self, "learner", None), TrainerGroup):
+            await self._torch(self.learner.close)  # type: ignore[attr-defined]
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self.trackers is not None:
             await asyncio.to_thread(self.trackers.close)
@@ -189,6 +197,19 @@ class TrainerService(Service):
             while self.queue and not self.stopping:
                 await self._handle(self.queue[0])
                 self.queue.pop(0)
+
+    async def _group_watch(self) -> None:
+        """A DeepSpeed group lives and dies whole: a rank that exits stops this service (its ranks go with it), and
+        the supervisor starts the group again from the committed version."""
+        assert isinstance(self.learner, TrainerGroup)
+        while not self.stopping:
+            await asyncio.sleep(0.5)
+            if not self.learner.alive():
+                codes = self.learner.exit_codes()
+                self.counters["group_rank_exits"] += 1
+                self.log.error("a rank of the trainer group exited: stopping the group", ranks=codes)
+                self.stop(1)
+                return
 
     async def _heartbeat_loop(self) -> None:
         """In-progress acks keep held micro-batches from being redelivered while the batch fills or a step runs."""

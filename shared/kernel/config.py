@@ -200,6 +200,45 @@ class RolloutSection(Section):
     speculate: SpeculateSection = Field(default_factory=SpeculateSection)  # continuous engine only
 
 
+# DeepSpeed config keys Chorus sets itself from the model's other sections (models.<m>.trainer.deepspeed.config
+# may not set them): the batch layout (Chorus owns accumulation), the optimizer (models.<m>.optim), clipping
+# (optim.grad_clip), the precision (models.<m>.dtype), and the ZeRO stage and offload (the keys beside config).
+DEEPSPEED_OWNED = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "optimizer",
+                   "scheduler", "gradient_clipping", "bf16", "fp16", "zero_optimization.stage",
+                   "zero_optimization.offload_optimizer")
+
+
+class DeepSpeedSection(Section):
+    """DeepSpeed ZeRO for a model trained with ``trainer.backend: deepspeed`` (the deepspeed extra; docs/backends.md):
+    the trainer is a group of ``ranks`` processes, rank 0 the service, each holding 1/ranks of what ``zero_stage``
+    shards (1: AdamW's state, 2: and the gradients, 3: and the weights)."""
+
+    ranks: int = Field(default=2, ge=1)  # processes of the trainer group (gloo on CPU, NCCL on GPU)
+    zero_stage: int = Field(default=2, ge=0, le=3)  # 1: AdamW's state sharded, 2: and gradients, 3: and weights
+    offload_optimizer: bool = False  # AdamW's state and step on the CPU (stages 1-3)
+    timeout_s: float = Field(default=600.0, gt=0)  # a rank silent for longer in a collective is taken as gone
+    config: dict[str, Any] = Field(default_factory=dict)  # further DeepSpeed config keys, passed through
+
+    @model_validator(mode="after")
+    def _combination(self) -> DeepSpeedSection:
+        if self.offload_optimizer and self.zero_stage == 0:
+            raise ValueError("offload_optimizer needs zero_stage 1, 2 or 3 (ZeRO-Offload moves the sharded "
+                             "optimizer state; stage 0 shards nothing)")
+        for key in DEEPSPEED_OWNED:
+            head, _, tail = key.partition(".")
+            value = self.config.get(head)
+            if (tail and isinstance(value, dict) and tail in value) or (not tail and head in self.config):
+                raise ValueError(f"config.{key} is set by Chorus (from zero_stage, offload_optimizer, models.<m>."
+                                 "optim, .dtype and train.global_batch): remove it from deepspeed.config")
+        return self
+
+
+class TrainerSection(Section):
+    # torch: one process (the torch learner); deepspeed: a group of ranks under DeepSpeed ZeRO (`deepspeed`)
+    backend: Literal["torch", "deepspeed"] = "torch"
+    deepspeed: DeepSpeedSection = Field(default_factory=DeepSpeedSection)
+
+
 class OptimSection(Section):
     lr: float = Field(default=1e-3, gt=0)
     weight_decay: float = 0.0
@@ -233,6 +272,7 @@ class ModelConfig(Section):
     arch: ArchConfig = Field(default_factory=ArchConfig)
     lora: LoraSection | None = None  # set: the base is frozen and each agent's adapter is trained
     rollouter: RolloutSection = Field(default_factory=RolloutSection)
+    trainer: TrainerSection = Field(default_factory=TrainerSection)
     optim: OptimSection = Field(default_factory=OptimSection)
     # this model's own policy loss and regularisers: any key of train that OBJECTIVE_KEYS lists (loss, loss_agg,
     # clip_eps, clip_ratio_c, behav_imp_weight_cap, entropy_coef, kl_coef, kl_estimator, kl_in); the rest of

@@ -308,7 +308,7 @@ def child_env(cfg: ChorusConfig) -> dict[str, str]:
 
 
 def check_backends_installed(cfg: ChorusConfig) -> None:
-    """Refuse a run whose rollouters this environment cannot start (before any service does), naming the fix."""
+    """Refuse a run whose rollouters or trainers this environment cannot start (before any service does), naming the fix."""
     import importlib.util
 
     vllm = sorted(m for m, mc in cfg.models.items() if mc.rollouter.backend == "vllm")
@@ -316,6 +316,11 @@ def check_backends_installed(cfg: ChorusConfig) -> None:
         raise ConfigError(f"models.{vllm[0]}.rollouter.backend is vllm, but vllm is not installed in this environment "
                           f"({sys.executable}): `make venv-vllm` builds .venv-vllm with it; run "
                           "`.venv-vllm/bin/chorus up ...`")
+    deepspeed = sorted(m for m, mc in cfg.models.items() if mc.trainer.backend == "deepspeed")
+    if deepspeed and importlib.util.find_spec("deepspeed") is None:
+        raise ConfigError(f"models.{deepspeed[0]}.trainer.backend is deepspeed, but deepspeed is not installed in this "
+                          f"environment ({sys.executable}): `make venv-deepspeed` adds it (pip install "
+                          "'chorus[deepspeed]'), or set backend: torch")
 
 
 async def run_up(config_path: Path | None, *, timeout_s: float | None = None, console: Console | None = None,

@@ -8,10 +8,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from services.rollouter.backends import BACKENDS
 from services.rollouter.vllm_engine import WORK_PREFIX, lora_rank, sweep_work_dirs
-from shared.kernel.config import ChorusConfig, ConfigError, RolloutSection
+from shared.kernel.config import ChorusConfig, ConfigError, RolloutSection, load_config
 
 
 def test_every_backend_the_config_accepts_has_a_builder() -> None:
@@ -67,3 +68,44 @@ def test_a_dead_rollouters_work_directory_is_swept_and_a_live_ones_kept(tmp_path
         (d / "base" / "model.safetensors").write_bytes(b"x" * 10)
     assert sweep_work_dirs(tmp_path) == [gone]
     assert not gone.exists() and mine.exists() and other.exists()
+
+
+def test_the_trainer_backend_defaults_to_torch_and_bad_deepspeed_combinations_name_their_key(tmp_path: Path) -> None:
+    agents = {"solver": {"model": "m"}, "verifier": {"model": "m"}}
+    cfg = ChorusConfig(run={"id": "t"}, models={"m": {}}, agents=agents)
+    assert cfg.models["m"].trainer.backend == "torch"
+    ok = ChorusConfig(run={"id": "t"}, agents=agents, models={"m": {"trainer": {"backend": "deepspeed", "deepspeed": {
+        "ranks": 4, "zero_stage": 3, "offload_optimizer": True, "config": {"zero_optimization": {"overlap_comm": True}}}}}})
+    from services.trainer.zero import deepspeed_config
+
+    made = deepspeed_config(ok, "m", 4)
+    assert made["zero_optimization"] == {"stage": 3, "offload_optimizer": {"device": "cpu"}, "overlap_comm": True}
+    assert made["optimizer"]["params"]["torch_adam"] is True and made["train_batch_size"] == 4
+    bad = {
+        "offload_optimizer needs zero_stage 1": {"zero_stage": 0, "offload_optimizer": True},
+        "config.optimizer is set by Chorus": {"config": {"optimizer": {"type": "SGD"}}},
+        "config.zero_optimization.stage is set by Chorus": {"config": {"zero_optimization": {"stage": 1}}},
+        "ranks": {"ranks": 0},
+        "zero_stage": {"zero_stage": 4},
+    }
+    for why, section in bad.items():
+        path = tmp_path / "c.yaml"
+        path.write_text(yaml.safe_dump({"run": {"id": "t"}, "agents": agents,
+                                        "models": {"m": {"trainer": {"backend": "deepspeed", "deepspeed": section}}}}))
+        with pytest.raises(ConfigError, match="models.m.trainer.deepspeed") as info:
+            load_config(path)
+        assert why in str(info.value), (why, str(info.value))
+
+
+def test_chorus_up_refuses_a_deepspeed_run_where_deepspeed_is_not_installed(monkeypatch: pytest.MonkeyPatch,
+                                                                           tmp_path: Path) -> None:
+    import importlib.util
+
+    from shared.launcher.supervisor import check_backends_installed
+
+    agents = {"solver": {"model": "m"}, "verifier": {"model": "m"}}
+    cfg = ChorusConfig(run={"id": "t"}, agents=agents, models={"m": {"trainer": {"backend": "deepspeed"}}})
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"models.m.trainer.backend is deepspeed.*make venv-deepspeed"):
+        check_backends_installed(cfg)

@@ -1,0 +1,576 @@
+"""DeepSpeed ZeRO trainer groups (``models.<m>.trainer.backend: deepspeed``): one model trained by ``ranks``
+processes, rank 0 the trainer service, the others following it.
+
+Rank 0 (:class:`TrainerGroup`) has the torch :class:`~services.trainer.learner.Learner`'s surface, so the service
+runs unchanged: it alone talks to NATS. It starts ranks 1..N-1 (``python -m services.trainer.zero``), and each
+call that needs the group (a step, the weights of a sync, a commit's save and a restore) is broadcast to every rank
+as a verb over a gloo process group, then run by all of them in the same order.
+
+A step is computed when its global batch is in: a micro-batch only records its samples (their advantages over its
+own groups are computed at the step, exactly as the torch learner computes them on arrival), and at the step the
+kept samples are dealt to the ranks, prompt group by prompt group, balanced by tokens. The step's normalisation
+(the samples, or the response tokens, of the whole batch) is then known before any backward, so each rank scales
+its losses by it and by the number of ranks (DeepSpeed averages gradients over ranks), and the sum over all ranks
+is the torch learner's gradient. Sub-batches never mix adapters, and every rank runs as many of each adapter's
+sub-batches as the rank with most (padding with zero-loss ones): ZeRO-2 and -3 reduce gradients during the
+backward, which must meet the same parameters in the same order on every rank.
+
+A commit saves AdamW's shards with DeepSpeed's own checkpointing (``<run>/checkpoints/<m>/zero/v<N>``, every rank
+its files, synced to disk before the commit is written); a restore loads them on every rank. A rank that dies takes
+the group with it: a follower whose rank 0 is gone exits, and rank 0 fails its next collective (the service exits
+and its supervisor starts the whole group again from the committed version).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import datetime
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from services.trainer.grpo import micro_batch_advantages
+from services.trainer.learner import Collated, Learner, StepResult, merge_token_stats, token_layout
+from services.trainer.logprobs import prompt_groups
+from shared.kernel.config import ChorusConfig, ConfigError
+from shared.kernel.schemas import Sample
+from shared.models.loading import resolve_device, shipped_tensors
+from shared.rlmath.advantages import batch_advantages, batch_token_advantages
+from shared.rlmath.schedules import lr_factor
+
+KEEP_TAGS = 3  # DeepSpeed checkpoints kept (the commit point's, and the ones before it)
+PR_SET_PDEATHSIG = 1
+
+
+def deepspeed_config(cfg: ChorusConfig, model: str, world: int) -> dict[str, Any]:
+    """DeepSpeed's config for ``model``: ZeRO from ``trainer.deepspeed``, torch's AdamW with ``optim``'s settings,
+    clipping ``optim.grad_clip``, bf16 for a bfloat16 model, and ``trainer.deepspeed.config`` merged over it.
+
+    Chorus owns the accumulation (the micro-batch size and accumulation steps below are placeholders: each
+    optimizer step is one global batch, with the accumulation boundary set by the learner)."""
+    mcfg = cfg.models[model]
+    ds, optim = mcfg.trainer.deepspeed, mcfg.optim
+    zero: dict[str, Any] = {"stage": ds.zero_stage}
+    if ds.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    base = {
+        "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "train_batch_size": world,
+        # torch's AdamW (torch_adam), the torch learner's optimizer: no compiled extension on the hot path
+        "optimizer": {"type": "AdamW", "params": {"lr": optim.lr, "betas": list(optim.betas), "eps": 1e-8,
+                                                   "weight_decay": optim.weight_decay, "torch_adam": True}},
+        "gradient_clipping": optim.grad_clip,
+        "bf16": {"enabled": mcfg.dtype == "bfloat16"},
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,  # offload keeps torch's AdamW (DeepSpeedCPUAdam compiles at first use)
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+    return _merge(base, ds.config)
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+class _Scoring(torch.nn.Module):
+    """The network as DeepSpeed's engine holds it: its forward runs one scoring call, so the engine's hooks (ZeRO's
+    gathers, the backward prologue) wrap the scorer's body and head calls."""
+
+    def __init__(self, net: torch.nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, call: Callable[[], torch.Tensor]) -> torch.Tensor:
+        return call()
+
+
+class ZeroLearner(Learner):
+    """One rank's learner: the torch learner's objectives on a DeepSpeed engine. Its verbs (:meth:`run_step`,
+    :meth:`gathered`, :meth:`save_zero`, :meth:`load_zero`) are collective: every rank runs them in the same order."""
+
+    def __init__(self, cfg: ChorusConfig, model: str, rank: int, world: int) -> None:
+        import deepspeed
+
+        super().__init__(cfg, model)
+        self.rank, self.world = rank, world
+        self.settings = cfg.models[model].trainer.deepspeed
+        self.stage = self.settings.zero_stage
+        self.token_mean = self.loss_agg == "token-mean"
+        config = deepspeed_config(cfg, model, world)
+        module = _Scoring(self.net)
+        params = [p for p in module.parameters() if p.requires_grad]
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(model=module, model_parameters=params, config=config)
+        # A full model's frozen reference: sharded too under ZeRO-3 (an engine without an optimizer).
+        self.ref_engine: Any = None
+        if self.reference is not None and not self.lora and self.stage == 3:
+            ref_config = {k: config[k] for k in ("train_micro_batch_size_per_gpu", "train_batch_size", "bf16")}
+            ref_config["zero_optimization"] = {"stage": 3}
+            self.ref_engine = deepspeed.initialize(model=_Scoring(self.reference.net), config=ref_config)[0]
+        self.pending: list[tuple[list[Sample], list[int], str]] = []
+        self.zero_dir = cfg.run_dir / "checkpoints" / model / "zero"
+
+    # --- rank 0, local: micro-batches are recorded; the step computes them ------------------
+    def micro_batch(self, samples: Sequence[Sample], keep_idx: Sequence[int], estimator: str) -> float:
+        self.pending.append((list(samples), list(keep_idx), estimator))
+        self.accumulated += len(keep_idx)
+        return 0.0
+
+    def take_pending(self) -> list[tuple[list[Sample], list[int], str]]:
+        pending, self.pending = self.pending, []
+        return pending
+
+    # --- collective ------------------------------------------------------------------------
+    def run_step(self, pending: list[tuple[list[Sample], list[int], str]]) -> StepResult:
+        """The optimizer step of one global batch (``pending``: its micro-batches as :meth:`micro_batch` got them)."""
+        self.pending, self.accumulated = [], 0
+        items = self._advantaged(pending)
+        n = len(items)
+        tokens = sum(int(s.response_ids.shape[0]) for s, _ in items)
+        # what the torch learner multiplies the accumulated gradients by, applied to each loss instead
+        scale = self.global_batch / max(tokens, 1) if self.token_mean else self.global_batch / max(n, 1)
+        mine = self._deal(items)
+        plan = self._plan(mine)
+        self._clear_partitioned_grads()
+        loss_sum, parts = 0.0, []
+        total = sum(count for _, _, count in plan)
+        done = 0
+        for adapter, batches, count in plan:
+            for j in range(count):
+                done += 1
+                self.engine.set_gradient_accumulation_boundary(done == total)
+                if j < len(batches):
+                    advs, batch = batches[j]
+                    loss, stats = self._sub_batch_loss(batch, advs)
+                    self._backward(loss * (scale * self.world))
+                    loss_sum += float(loss.detach())
+                    parts.append(stats)
+                else:
+                    self._backward(self._idle_loss(adapter))
+        gathered: list[Any] = [None] * self.world
+        torch.distributed.all_gather_object(gathered, (loss_sum, parts))
+        loss_sum = sum(g[0] for g in gathered)
+        parts = [p for g in gathered for p in g[1]]
+        lr = self.optim.lr * lr_factor(self.version + 1, self.max_versions, self.optim.schedule,
+                                       self.optim.warmup_versions, self.optim.min_lr_ratio)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        if total:
+            self.engine.step()
+        norm = self.engine.get_global_grad_norm() if total else 0.0
+        grad_norm = float(norm) if norm is not None else 0.0
+        skipped = not np.isfinite(grad_norm)
+        if not skipped:
+            self.version += 1
+        stats = {"tokens": 0.0, **merge_token_stats(parts), "lr": lr}
+        if self._reward_kl:
+            pen = sum(p["kl_penalty"] for p in self._reward_kl) / max(sum(p["samples"] for p in self._reward_kl), 1.0)
+            stats.update(kl_ref=merge_token_stats(self._reward_kl)["kl_ref"], kl_reward_penalty=pen)
+        self._reward_kl = []
+        return StepResult(self.version, n, loss_sum * scale, grad_norm, stats, skipped)
+
+    def gathered(self) -> dict[str, torch.Tensor]:
+        """The shipped tensors, whole on every rank (gathered from their ZeRO-3 shards): clones."""
+        own = shipped_tensors(self.net, self.lora)
+        if self.stage < 3:
+            return {k: t.detach().clone() for k, t in own.items()}
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(own.values()), modifier_rank=None):
+            return {k: t.detach().clone() for k, t in own.items()}
+
+    def save_zero(self, tag: str) -> dict[str, Any]:
+        """DeepSpeed's checkpoint of this version (weights and AdamW's shards) as ``zero/<tag>``, on disk."""
+        self.engine.save_checkpoint(str(self.zero_dir), tag=tag, client_state={"version": self.version},
+                                    save_latest=False, exclude_frozen_parameters=self.lora)
+        _sync_tree(self.zero_dir / tag)
+        torch.distributed.barrier()
+        if self.rank == 0:
+            _prune_tags(self.zero_dir, keep=KEEP_TAGS)
+        return {"deepspeed": {"tag": tag, "ranks": self.world, "zero_stage": self.stage}}
+
+    def load_zero(self, version: int, tensors: dict[str, torch.Tensor] | None, ref: dict[str, Any] | None) -> str:
+        """Restore ``version``: DeepSpeed's checkpoint named by ``ref`` where it is on disk (weights and AdamW), else
+        ``tensors`` (rank 0's; the others receive them) with a fresh AdamW. Returns what was loaded."""
+        tag = ref.get("tag") if ref else None
+        found = bool(tag) and (self.zero_dir / str(tag)).is_dir()
+        everywhere = torch.tensor([int(found)])
+        torch.distributed.all_reduce(everywhere, op=torch.distributed.ReduceOp.MIN)
+        if everywhere.item():
+            self.engine.load_checkpoint(str(self.zero_dir), tag=str(tag), load_optimizer_states=True,
+                                        load_lr_scheduler_states=False, load_module_strict=not self.lora)
+            how = f"deepspeed checkpoint {tag}"
+        else:
+            self._assign(tensors)
+            how = "weights only (no deepspeed checkpoint of this version on disk: AdamW starts afresh)"
+        self.version = version
+        self.pending, self.accumulated, self._reward_kl = [], 0, []
+        return how
+
+    def close(self) -> None:
+        self.engine.destroy()
+
+    # --- the step's parts -------------------------------------------------------------------
+    def _clear_partitioned_grads(self) -> None:
+        """ZeRO-3 copies a parameter's gradient into its partition at a step's first backward and adds it at the
+        later ones: a parameter first reached by a later backward (another adapter's sub-batch) would add onto the
+        last step's gradient. Every step starts from zeros."""
+        flat = getattr(self.optimizer, "grad_partitions_flat_buffer", None)
+        if isinstance(flat, torch.Tensor):
+            flat.zero_()
+
+    def _advantaged(self, pending: list[tuple[list[Sample], list[int], str]]) -> list[tuple[Sample, Any]]:
+        """Every kept sample of the step with its advantage, as :meth:`Learner.micro_batch` and the step compute
+        them (each micro-batch's groups; the whole batch for reinforce_pp)."""
+        items: list[tuple[Sample, Any]] = []
+        held: list[Sample] = []
+        for samples, keep_idx, estimator in pending:
+            kept = [samples[i] for i in keep_idx]
+            if self.batch_level:
+                held += kept
+            elif self.kl_reward:
+                pens = self._penalties(kept)
+                adv = micro_batch_advantages([s.reward - float(p.sum()) for s, p in zip(kept, pens, strict=True)],
+                                             [s.group_key for s in kept], [None] * len(kept), estimator)
+                items += zip(kept, adv.tolist(), strict=True)
+            else:
+                adv = micro_batch_advantages([s.reward for s in samples], [s.group_key for s in samples],
+                                             [s.advantage for s in samples], estimator)
+                items += [(samples[i], float(adv[i])) for i in keep_idx]
+        if held:
+            rewards = [s.reward for s in held]
+            if self.kl_reward:
+                items += zip(held, batch_token_advantages(rewards, self._penalties(held)), strict=True)
+            else:
+                items += zip(held, batch_advantages(rewards, [int(s.response_ids.shape[0]) for s in held]).tolist(),
+                             strict=True)
+        return items
+
+    def _deal(self, items: list[tuple[Sample, Any]]) -> dict[str | None, list[tuple[Sample, Any]]]:
+        """This rank's share of ``items``, by adapter: each adapter's prompt groups go whole to the rank with the
+        fewest tokens so far, largest first (the same on every rank: it depends on ``items`` alone)."""
+        by_adapter: dict[str | None, list[tuple[Sample, Any]]] = {}
+        for item in items:
+            by_adapter.setdefault(item[0].adapter, []).append(item)
+        mine: dict[str | None, list[tuple[Sample, Any]]] = {}
+        for adapter in self._adapter_order():
+            rows = by_adapter.get(adapter, [])
+            groups = prompt_groups([s for s, _ in rows])
+            size = [sum(int(rows[i][0].prompt_ids.shape[0] + rows[i][0].response_ids.shape[0]) for i in g)
+                    for g in groups]
+            load = [0] * self.world
+            picked: list[int] = []
+            for k in sorted(range(len(groups)), key=lambda k: (-size[k], k)):
+                r = min(range(self.world), key=lambda q: (load[q], q))
+                load[r] += size[k]
+                if r == self.rank:
+                    picked += groups[k]
+            mine[adapter] = [rows[i] for i in sorted(picked)]
+        return mine
+
+    def _adapter_order(self) -> list[str | None]:
+        return sorted(self.adapters) if self.adapters is not None else [None]
+
+    def _plan(self, mine: dict[str | None, list[tuple[Sample, Any]]]) -> list[tuple[str | None, list[Any], int]]:
+        """Per adapter: this rank's sub-batches (advantages, batch) and how many every rank runs (the most any has)."""
+        built = []
+        for adapter in self._adapter_order():
+            rows = mine[adapter]
+            samples = [s for s, _ in rows]
+            built.append((adapter, [([rows[i][1] for i in idx], batch) for idx, batch in self._batches(samples)]))
+        counts = torch.tensor([len(b) for _, b in built])
+        torch.distributed.all_reduce(counts, op=torch.distributed.ReduceOp.MAX)
+        return [(a, b, int(c)) for (a, b), c in zip(built, counts.tolist(), strict=True)]
+
+    def _sub_batch_loss(self, batch: Any, advs: list[Any]) -> tuple[torch.Tensor, dict[str, float]]:
+        logp = self._logprobs(self.scorer, batch)
+        ref = self._reference_logprobs(batch) if self.kl_loss else None
+        adv = token_layout(advs, batch.loss_mask)
+        return self._policy_loss(logp, batch.logp_behav, adv, batch.loss_mask, ref)
+
+    def _idle_loss(self, adapter: str | None) -> torch.Tensor:
+        """A zero loss through the same parameters as a real sub-batch of ``adapter`` (a rank with fewer), with the
+        reference's forward where a real one has it (under ZeRO-3 each forward gathers with the other ranks)."""
+        batch = self._idle_batch(adapter)
+        logp = self._logprobs(self.scorer, batch)
+        if self.kl_loss:
+            self._reference_logprobs(batch)
+        return logp.sum() * 0.0
+
+    def _idle_batch(self, adapter: str | None) -> Collated:
+        ids = torch.full((1, 2), self.pad_id, dtype=torch.long)
+        return Collated(ids, torch.ones_like(ids), ids[:, 1:], torch.ones((1, 1)), torch.zeros((1, 1)),
+                        [adapter]).to(self.device)
+
+    def _penalties(self, samples: list[Sample]) -> list[np.ndarray]:
+        """kl_in reward: each sample's per-token penalty (:meth:`Learner.reward_penalties`), every rank computing its
+        share's (padded like the step, for ZeRO-3's gathers) and all of them gathered."""
+        idx = list(range(len(samples)))
+        share = [i for i in idx if i % self.world == self.rank]
+        stats_before = len(self._reward_kl)
+        mine = self.reward_penalties([samples[i] for i in share]) if share else []
+        batches = torch.tensor([len(list(self._batches([samples[i] for i in share])))])
+        torch.distributed.all_reduce(batches, op=torch.distributed.ReduceOp.MAX)
+        if self.stage == 3:
+            ran = len(list(self._batches([samples[i] for i in share])))
+            with torch.no_grad():
+                for _ in range(int(batches.item()) - ran):
+                    self._reference_logprobs(self._idle_batch(self._adapter_order()[0]))
+        gathered: list[Any] = [None] * self.world
+        local_stats = self._reward_kl[stats_before:]
+        torch.distributed.all_gather_object(gathered, (dict(zip(share, mine, strict=True)), local_stats))
+        del self._reward_kl[stats_before:]
+        out: dict[int, np.ndarray] = {}
+        for found, stats in gathered:
+            out.update(found)
+            self._reward_kl.extend(stats)
+        return [out[i] for i in idx]
+
+    # --- hooks into the torch learner ------------------------------------------------------
+    def _backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss, scale_wrt_gas=False)
+
+    def _logprobs(self, scorer: Any, batch: Any) -> torch.Tensor:
+        engine = self.engine if scorer.net is self.net else self.ref_engine
+        if engine is None:
+            return super()._logprobs(scorer, batch)
+        return engine(lambda: Learner._logprobs(self, scorer, batch))
+
+    def _assign(self, tensors: dict[str, torch.Tensor] | None) -> None:
+        """Rank 0's ``tensors`` into every rank's shipped parameters (ZeRO-3: into their shards)."""
+        import deepspeed
+
+        own = shipped_tensors(self.net, self.lora)
+        ctx = deepspeed.zero.GatheredParameters(list(own.values()), modifier_rank=0) if self.stage == 3 else \
+            contextlib.nullcontext()
+        with ctx, torch.no_grad():
+            for name, p in own.items():
+                if self.rank == 0:
+                    assert tensors is not None
+                    p.copy_(tensors[name])
+                if self.stage < 3:
+                    torch.distributed.broadcast(p.data, src=0)
+        # AdamW afresh: its state of other weights would be wrong here
+        for state in getattr(self.optimizer, "state", {}).values():
+            state.clear()
+
+
+def _sync_tree(path: Path) -> None:
+    """fsync every file under ``path`` (this rank's and the others': each syncs what it sees) and the directory."""
+    if not path.is_dir():
+        return
+    for p in sorted(path.rglob("*")):
+        if p.is_file():
+            with contextlib.suppress(OSError):
+                fd = os.open(p, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _prune_tags(directory: Path, keep: int) -> None:
+    tags = sorted((int(p.name[1:]), p) for p in directory.iterdir() if p.is_dir() and p.name[1:].isdigit())
+    for _, p in tags[:-keep]:
+        shutil.rmtree(p, ignore_errors=True)
+
+
+# --- the group ---------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _join(rank: int, world: int, port: int, timeout_s: float, cuda: bool) -> None:
+    """This process as ``rank`` of the group's gloo world (DeepSpeed then uses it). DeepSpeed's shared-memory
+    all-reduce for CPUs is left out: it compiles a C++ extension at first use (about a minute)."""
+    import deepspeed.ops
+
+    for op in ("deepspeed_shm_comm", "deepspeed_ccl_comm"):
+        deepspeed.ops.__compatible_ops__[op] = False
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_SIZE=str(world))
+    if cuda:  # one GPU per rank ("cuda" is then the rank's own device)
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    torch.distributed.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world,
+                                         timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _environment(threads: int, cuda: bool) -> dict[str, str]:
+    """What DeepSpeed reads from the environment: its accelerator (set before it is first imported)."""
+    return {"DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cuda" if cuda else "cpu"),
+            "OMP_NUM_THREADS": str(threads)}
+
+
+class TrainerGroup:
+    """Rank 0 of a DeepSpeed trainer group, with the torch learner's surface (what the trainer service calls).
+
+    Local: :meth:`validate`, :meth:`micro_batch`, :meth:`ready` and the counters. Collective (broadcast as a verb
+    to ranks 1..N-1, then run here): :meth:`step`, :meth:`named_tensors` under ZeRO-3, :meth:`optimizer_state`
+    (a commit's DeepSpeed checkpoint), :meth:`load_state_dict` and :meth:`close`.
+    """
+
+    def __init__(self, cfg: ChorusConfig, model: str, threads: int = 1) -> None:
+        if importlib.util.find_spec("deepspeed") is None:
+            raise ConfigError(f"models.{model}.trainer.backend is deepspeed, but deepspeed is not installed in this "
+                              f"environment ({sys.executable}): `make venv-deepspeed` adds it")
+        settings = cfg.models[model].trainer.deepspeed
+        self.world = settings.ranks
+        cuda = resolve_device(cfg, model).type == "cuda"
+        os.environ.update(_environment(threads, cuda))
+        port = _free_port()
+        where = cfg.run_dir / "checkpoints" / model
+        where.mkdir(parents=True, exist_ok=True)
+        spec = where / "group-config.json"
+        spec.write_text(json.dumps(cfg.model_dump(mode="json")))
+        self.children = [subprocess.Popen([sys.executable, "-m", "services.trainer.zero", str(spec), model, str(r),
+                                           str(self.world), str(port), str(threads)],
+                                          env={**os.environ, **_environment(threads, cuda)})
+                         for r in range(1, self.world)]
+        try:
+            _join(0, self.world, port, settings.timeout_s, cuda)
+            self.control = torch.distributed.new_group(backend="gloo")
+            self.local = ZeroLearner(cfg, model, 0, self.world)
+        except BaseException:
+            self._kill()
+            raise
+
+    # the torch learner's attributes, read by the service
+    def __getattr__(self, name: str) -> Any:
+        local = self.__dict__.get("local")
+        if local is None:
+            raise AttributeError(name)
+        return getattr(local, name)
+
+    def _all(self, verb: str, *args: Any) -> Any:
+        """Run ``verb(*args)`` on every rank (broadcast first), returning rank 0's result."""
+        self._broadcast(verb, args)
+        return getattr(self.local, verb)(*args)
+
+    def _broadcast(self, verb: str, args: tuple[Any, ...]) -> None:
+        gone = [r for r, code in self.exit_codes().items() if code is not None]
+        if gone:
+            raise RuntimeError(f"trainer group of {self.local.model_name}: rank(s) {gone} exited")
+        torch.distributed.broadcast_object_list([(verb, args)], src=0, group=self.control)
+
+    def alive(self) -> bool:
+        return all(c.poll() is None for c in self.children)
+
+    def exit_codes(self) -> dict[int, int | None]:
+        """Each follower rank's exit code (None: running)."""
+        return {r: c.poll() for r, c in enumerate(self.children, start=1)}
+
+    def micro_batch(self, samples: Sequence[Sample], keep_idx: Sequence[int], estimator: str) -> float:
+        return self.local.micro_batch(samples, keep_idx, estimator)
+
+    def ready(self) -> bool:
+        return self.local.ready()
+
+    def step(self) -> StepResult | None:
+        if not self.local.ready():
+            return None
+        return self._all("run_step", self.local.take_pending())  # type: ignore[no-any-return]
+
+    def named_tensors(self) -> dict[str, torch.Tensor]:
+        if self.local.stage < 3:
+            return {k: t.detach() for k, t in shipped_tensors(self.local.net, self.local.lora).items()}
+        return self._all("gathered")  # type: ignore[no-any-return]
+
+    def optimizer_state(self) -> dict[str, Any]:
+        return self._all("save_zero", f"v{self.local.version}")  # type: ignore[no-any-return]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": self.local.version, "model": {k: t.cpu() for k, t in self.named_tensors().items()},
+                "optimizer": self.optimizer_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Every rank to ``state``'s version: from its DeepSpeed checkpoint where the state names one that is on
+        disk, else from its weights (rank 0 has them) with AdamW afresh."""
+        optimizer = state.get("optimizer")
+        ref = optimizer.get("deepspeed") if isinstance(optimizer, dict) else None
+        version = int(state["version"])
+        self._broadcast("load_zero", (version, None, ref))
+        self.loaded = self.local.load_zero(version, state["model"], ref)
+
+    def save_checkpoint(self, directory: Path) -> Path:
+        return Learner.save_checkpoint(self, directory)  # type: ignore[arg-type]
+
+    def restore_latest(self, directory: Path) -> Path | None:
+        return Learner.restore_latest(self, directory)  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        """Every rank leaves (rank 0 last); a rank that does not within 30 s is killed."""
+        with contextlib.suppress(Exception):
+            if self.alive():
+                torch.distributed.broadcast_object_list([("close", ())], src=0, group=self.control)
+        for c in self.children:
+            try:
+                c.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                c.kill()
+        with contextlib.suppress(Exception):
+            self.local.close()
+        with contextlib.suppress(Exception):
+            torch.distributed.destroy_process_group()
+
+    def _kill(self) -> None:
+        for c in self.children:
+            with contextlib.suppress(ProcessLookupError):
+                c.kill()
+
+
+def follow(spec: Path, model: str, rank: int, world: int, port: int, threads: int) -> int:
+    """Rank ``rank`` >= 1: run every verb rank 0 broadcasts until it says close, or exit when it is gone."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() == 1:
+        return 1  # rank 0 died before this rank could follow it
+    torch.set_num_threads(threads)
+    cfg = ChorusConfig(**json.loads(spec.read_text()))
+    settings = cfg.models[model].trainer.deepspeed
+    _join(rank, world, port, settings.timeout_s, resolve_device(cfg, model).type == "cuda")
+    control = torch.distributed.new_group(backend="gloo")
+    learner = ZeroLearner(cfg, model, rank, world)
+    while True:
+        box: list[Any] = [None]
+        torch.distributed.broadcast_object_list(box, src=0, group=control)
+        verb, args = box[0]
+        if verb == "close":
+            learner.close()
+            torch.distributed.destroy_process_group()
+            return 0
+        getattr(learner, verb)(*args)
+
+
+def make_learner(cfg: ChorusConfig, model: str, threads: int = 1) -> Learner | TrainerGroup:
+    """The learner of ``model``'s trainer backend: the torch learner, or rank 0 of a DeepSpeed group."""
+    if cfg.models[model].trainer.backend == "deepspeed":
+        return TrainerGroup(cfg, model, threads)
+    return Learner(cfg, model)
+
+
+if __name__ == "__main__":
+    a = sys.argv[1:]
+    sys.exit(follow(Path(a[0]), a[1], int(a[2]), int(a[3]), int(a[4]), int(a[5])))
+

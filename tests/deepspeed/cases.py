@@ -1,0 +1,93 @@
+"""The DeepSpeed learner's comparison cases: configs, the global batches of a few steps, and a run of a trainer group
+as rank 0 in its own process (``python -m tests.deepspeed.cases <config> <out>``: DeepSpeed keeps global state, so
+each group runs in a fresh interpreter).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from shared.kernel.config import ChorusConfig, load_config
+from shared.kernel.schemas import Array, Sample
+from shared.models.tokenizer import BOS_ID, EOS_ID
+
+STEPS = 3
+MICRO = 4  # samples per micro-batch
+GLOBAL = 8
+
+
+def case_config(tmp: Path, *, stage: int, lora: bool, kl: bool = True, extra_train: str = "",
+                ranks: int = 2) -> Path:
+    """A tiny model's config with ``trainer.backend: deepspeed`` at ZeRO ``stage`` (the torch learner ignores it)."""
+    model = ("{arch: {hidden_size: 64, num_layers: 2, num_heads: 2, intermediate_size: 128, max_position: 64}, "
+             "optim: {lr: 0.01, grad_clip: 1.0, weight_decay: 0.01}, "
+             f"trainer: {{backend: deepspeed, deepspeed: {{ranks: {ranks}, zero_stage: {stage}}}}}")
+    agents = "{solver: {model: m}, verifier: {model: m}}"
+    if lora:
+        model += ", lora: {r: 4, target_modules: [q_proj, v_proj, o_proj, gate_proj]}"
+        agents = "{solver: {model: m, adapter: sol}, verifier: {model: m, adapter: ver}}"
+    kl_keys = ", kl_coef: 0.1, kl_in: loss" if kl else ""
+    path = tmp / f"zero{stage}{'-lora' if lora else ''}.yaml"
+    path.write_text(
+        f"run: {{id: zero, dir: {tmp / 'runs'}}}\n"
+        f"models: {{m: {model}}}}}\n"
+        f"agents: {agents}\n"
+        "workflow: {group_size: 2, temperature: 1.0}\n"
+        f"train: {{global_batch: {GLOBAL}, micro_batch: {MICRO}{kl_keys}{extra_train}}}\n")
+    return path
+
+
+def sample(i: int, step: int, adapter: str | None) -> Sample:
+    rng = np.random.default_rng(1000 * step + i)
+    prompt = [BOS_ID, *rng.integers(32, 127, int(rng.integers(2, 9))).tolist()]
+    resp_len = int(rng.integers(2, 12))
+    resp = rng.integers(32, 127, resp_len).tolist()
+    resp[-1] = EOS_ID
+    lp = (-rng.random(resp_len) * 2 - 3).tolist()
+    agent = "solver" if i % 2 == 0 else "verifier"
+    return Sample(run="r", episode=f"e{step}-{i // 2}", sample_id=f"s{step}-{i}", env_idx=i // 2, rollout_idx=i % 2,
+                  agent=agent, model="m", turn=0, prompt_ids=Array.of(prompt, "int32"),
+                  response_ids=Array.of(resp, "int32"), behavior_logprobs=Array.of(lp, "float32"),
+                  reward=float(rng.integers(0, 3)), group_key=f"g{step}-{i // 2}", group_size=2, version=step,
+                  adapter=adapter)
+
+
+def micro_batches(cfg: ChorusConfig, step: int) -> list[list[Sample]]:
+    """The global batch of ``step``: GLOBAL samples in micro-batches of MICRO; a LoRA model's alternate adapters."""
+    adapters = cfg.adapters_of("m") if cfg.models["m"].lora is not None else None
+    rows = [sample(i, step, adapters[i % len(adapters)] if adapters else None) for i in range(GLOBAL)]
+    return [rows[k : k + MICRO] for k in range(0, GLOBAL, MICRO)]
+
+
+def train(learner, cfg: ChorusConfig) -> list[float]:  # type: ignore[no-untyped-def]
+    """STEPS steps of ``learner`` (a torch Learner or a TrainerGroup) on the case's batches; the losses."""
+    losses = []
+    for step in range(STEPS):
+        for mb in micro_batches(cfg, step):
+            learner.micro_batch(mb, list(range(len(mb))), cfg.train.advantage)
+        result = learner.step()
+        assert result is not None and not result.skipped, result
+        losses.append(result.loss)
+    return losses
+
+
+def main(config: str, out: str) -> int:
+    from services.trainer.zero import TrainerGroup
+
+    cfg = load_config(config)
+    group = TrainerGroup(cfg, "m")
+    try:
+        losses = train(group, cfg)
+        torch.save({"losses": losses, "tensors": {k: t.clone() for k, t in group.named_tensors().items()},
+                    "version": group.version}, out)
+    finally:
+        group.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], sys.argv[2]))
