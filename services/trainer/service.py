@@ -162,8 +162,9 @@ class TrainerService(Service):
             self.seen.add_all(self.recent.ids())
             record = committed.record
             await self._hold_in_memory()
+            group = {"group_loaded": self.learner.loaded} if isinstance(self.learner, TrainerGroup) else {}
             self.log.info("restored the committed version", version=ann.version, state=ann.state_object,
-                          epoch=self.epoch)
+                          epoch=self.epoch, **group)
         else:
             path = await self._torch(self.learner.restore_latest, self.ckpt_dir)
             if path is not None:

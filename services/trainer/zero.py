@@ -448,6 +448,7 @@ class TrainerGroup:
                                            str(self.world), str(port), str(threads)],
                                           env={**os.environ, **_environment(threads, cuda)})
                          for r in range(1, self.world)]
+        self.loaded = "nothing: fresh weights"  # what the last restore loaded (the service logs it)
         try:
             _join(0, self.world, port, settings.timeout_s, cuda)
             self.control = torch.distributed.new_group(backend="gloo")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import random
 import signal
 import time
@@ -29,6 +30,23 @@ MODELS = ["solver_lm", "verifier_lm"]
 SERVICE_KINDS = ("coordinator", "actions", "mq", "trainer", "rollouter", "paramsync")
 PER_MODEL_KINDS = ("mq", "trainer", "rollouter", "paramsync")  # one process per model; the others serve all
 LAGGING = "(lagging)"  # a Fault's model: whichever is furthest from the end, so the fault lands mid-run
+
+
+async def follower_pid(parent: int, rank: int, timeout_s: float = 60.0) -> int:
+    """The pid of rank ``rank`` of the DeepSpeed trainer group whose rank 0 is process ``parent`` (once it runs)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit():
+                continue
+            with contextlib.suppress(OSError):
+                args = (proc / "cmdline").read_bytes().split(b"\0")
+                stat = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+                if int(stat[1]) == parent and b"services.trainer.zero" in args and args[args.index(
+                        b"services.trainer.zero") + 3] == str(rank).encode():
+                    return int(proc.name)
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"no rank {rank} under trainer process {parent} within {timeout_s:.0f}s")
 
 
 def fault_config(tmp_path: Path, run_id: str, *, max_versions: int, replicas: int = 1, concurrency: int = 8,
@@ -87,6 +105,7 @@ class Fault:
     node: int = 0  # which broker node (target nats)
     instance: str = "0"  # which instance of the service (a rollouter: the first found with requests in flight)
     down_s: float = 5.0  # kill: restarted this much later (< 0: never); stop: frozen this long
+    rank: int = 0  # a DeepSpeed trainer group (trainer.backend deepspeed): the rank killed (0: the service itself)
     ended_at: float = 0.0  # wall time the process or node was back (restarted, thawed; killed for good: the kill)
     landed_at: dict[str, int] = field(default_factory=dict)  # trained version of every model when it was injected
     recovered_s: float = 0.0  # from then until every model trained a sample generated after it
@@ -94,7 +113,7 @@ class Fault:
     @property
     def name(self) -> str:
         where = f"node {self.node}" if self.target == "nats" else self.target
-        return f"{self.action} {where}"
+        return f"{self.action} {where}" + (f" rank {self.rank}" if self.rank else "")
 
     @property
     def per_model(self) -> bool:
@@ -172,7 +191,10 @@ class FaultRun:
             child = self.cluster.sup.children[key]
             if fault.action == "kill":
                 self.intended.add(key)
-            child.popen.send_signal(signal.SIGKILL if fault.action == "kill" else signal.SIGSTOP)
+            if fault.rank:  # a follower rank: the service (rank 0) sees it gone and exits, and is started again
+                os.kill(await follower_pid(child.popen.pid, fault.rank), signal.SIGKILL)
+            else:
+                child.popen.send_signal(signal.SIGKILL if fault.action == "kill" else signal.SIGSTOP)
             # the versions trained when it landed (the broker is up: read after the signal, not before a wait)
             before = await self.ledger.trained()
             fault.landed_at = dict(before)

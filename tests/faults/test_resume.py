@@ -52,7 +52,12 @@ async def wait_for(cond, timeout_s: float, what: str, proc: subprocess.Popen[byt
 
 
 async def test_a_killed_run_resumes_from_its_last_commit_and_trains_nothing_twice(tmp_path, run_id):
-    config = fault_config(tmp_path, run_id, max_versions=MAX_VERSIONS)
+    await killed_and_resumed(tmp_path, run_id, fault_config(tmp_path, run_id, max_versions=MAX_VERSIONS))
+
+
+async def killed_and_resumed(tmp_path: Path, run_id: str, config: Path, services: int = 11) -> None:
+    """`chorus up config` killed whole (``services`` service processes and more) at version KILL_AT of both models,
+    then resumed to MAX_VERSIONS: the ledger's invariants, versions continuing from the last commit."""
     first = subprocess.Popen([CHORUS, "up", str(config), "--timeout-s", "300"], stdout=subprocess.DEVNULL,
                              stderr=subprocess.STDOUT, start_new_session=True)
     ledgers: list[Ledger] = []
@@ -78,7 +83,7 @@ async def test_a_killed_run_resumes_from_its_last_commit_and_trains_nothing_twic
         killed = kill_everything(first.pid)
         first.wait(timeout=10)
         await ledgers[0].close()
-        assert killed >= 12  # chorus up, nats-server, 11 services
+        assert killed >= services + 1  # chorus up, nats-server, the services
 
         resumed = await asyncio.create_subprocess_exec(
             CHORUS, "up", "--resume", str(run_dir), "--timeout-s", "300",
