@@ -50,6 +50,8 @@ from shared.models.loading import resolve_device, shipped_tensors
 from shared.rlmath.advantages import batch_advantages, batch_token_advantages
 from shared.rlmath.schedules import lr_factor
 
+BUCKET = 20_000_000  # elements of a ZeRO gradient or gather bucket
+LIVE = 30_000_000  # ZeRO-3: gathered parameters kept alive at most
 KEEP_TAGS = 3  # DeepSpeed checkpoints kept (the commit point's, and the ones before it)
 PR_SET_PDEATHSIG = 1
 
@@ -62,7 +64,12 @@ def deepspeed_config(cfg: ChorusConfig, model: str, world: int) -> dict[str, Any
     optimizer step is one global batch, with the accumulation boundary set by the learner)."""
     mcfg = cfg.models[model]
     ds, optim = mcfg.trainer.deepspeed, mcfg.optim
-    zero: dict[str, Any] = {"stage": ds.zero_stage}
+    # Buckets of 2e7 elements (80 MB in float32), not DeepSpeed's 5e8 (a 2 GB gradient bucket per rank, more than
+    # the whole of a small model's training state); ZeRO-3 keeps at most 3e7 gathered parameters alive.
+    zero: dict[str, Any] = {"stage": ds.zero_stage, "reduce_bucket_size": BUCKET, "allgather_bucket_size": BUCKET}
+    if ds.zero_stage == 3:
+        zero.update(stage3_prefetch_bucket_size=BUCKET // 2, stage3_max_live_parameters=LIVE,
+                    stage3_max_reuse_distance=LIVE)
     if ds.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu"}
     base = {
