@@ -44,7 +44,7 @@ import torch
 from services.trainer.grpo import micro_batch_advantages
 from services.trainer.learner import Collated, Learner, StepResult, merge_token_stats, token_layout
 from services.trainer.logprobs import prompt_groups
-from shared.kernel.config import ChorusConfig, ConfigError
+from shared.kernel.config import ChorusConfig, ConfigError, deep_merge
 from shared.kernel.schemas import Sample
 from shared.models.loading import resolve_device, shipped_tensors
 from shared.rlmath.advantages import batch_advantages, batch_token_advantages
@@ -85,14 +85,7 @@ def deepspeed_config(cfg: ChorusConfig, model: str, world: int) -> dict[str, Any
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
     }
-    return _merge(base, ds.config)
-
-
-def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for k, v in over.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
+    return deep_merge(base, ds.config)
 
 
 class _Scoring(torch.nn.Module):
@@ -331,10 +324,10 @@ class ZeroLearner(Learner):
         share = [i for i in idx if i % self.world == self.rank]
         stats_before = len(self._reward_kl)
         mine = self.reward_penalties([samples[i] for i in share]) if share else []
-        batches = torch.tensor([len(list(self._batches([samples[i] for i in share])))])
+        ran = sum(1 for _ in self._batches([samples[i] for i in share]))  # the forwards reward_penalties ran
+        batches = torch.tensor([ran])
         torch.distributed.all_reduce(batches, op=torch.distributed.ReduceOp.MAX)
         if self.stage == 3:
-            ran = len(list(self._batches([samples[i] for i in share])))
             with torch.no_grad():
                 for _ in range(int(batches.item()) - ran):
                     self._reference_logprobs(self._idle_batch(self._adapter_order()[0]))

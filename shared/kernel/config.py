@@ -807,7 +807,7 @@ def load_config(path: str | os.PathLike[str] | None = None, **overrides: Any) ->
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {p}: expected a mapping at the top, got {type(loaded).__name__}")
         data = loaded
-    data = _deep_merge(data, overrides)
+    data = deep_merge(data, overrides)
     token = CONFIG_DIR.set(Path(path).resolve().parent if path is not None else None)
     try:
         return ChorusConfig(**data)
@@ -835,11 +835,12 @@ def config_from_yaml_text(text: str) -> ChorusConfig:
         raise ConfigError(_format_error(exc, "<kv>")) from None
 
 
-def _deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+def deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with ``extra`` over it, nested dicts merged key by key (neither is changed)."""
     out = dict(base)
     for k, v in extra.items():
         if isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = _deep_merge(out[k], v)
+            out[k] = deep_merge(out[k], v)
         else:
             out[k] = v
     return out
