@@ -112,6 +112,8 @@ class ZeroLearner(Learner):
         self.settings = cfg.models[model].trainer.deepspeed
         self.stage = self.settings.zero_stage
         self.token_mean = self.loss_agg == "token-mean"
+        # the most samples one forward of a rank holds activations for: a micro-batch's, as in the torch learner
+        self.sub_samples = cfg.train.micro_batch
         config = deepspeed_config(cfg, model, world)
         module = _Scoring(self.net)
         params = [p for p in module.parameters() if p.requires_grad]
@@ -291,11 +293,30 @@ class ZeroLearner(Learner):
         built = []
         for adapter in self._adapter_order():
             rows = mine[adapter]
-            samples = [s for s, _ in rows]
-            built.append((adapter, [([rows[i][1] for i in idx], batch) for idx, batch in self._batches(samples)]))
+            subs: list[Any] = []
+            for chunk in self._chunks([s for s, _ in rows]):
+                samples = [rows[i][0] for i in chunk]
+                subs += [([rows[chunk[i]][1] for i in idx], batch) for idx, batch in self._batches(samples)]
+            built.append((adapter, subs))
         counts = torch.tensor([len(b) for _, b in built])
         torch.distributed.all_reduce(counts, op=torch.distributed.ReduceOp.MAX)
         return [(a, b, int(c)) for (a, b), c in zip(built, counts.tolist(), strict=True)]
+
+    def _chunks(self, samples: list[Sample]) -> list[list[int]]:
+        """Indices of ``samples`` in runs of whole prompt groups of at most :attr:`sub_samples` samples (a group
+        larger than that alone): a rank's forward holds the activations of at most a micro-batch, as the torch
+        learner's does, however large the global batch (one sub-batch of more samples costs less time, but its
+        activations grow with global_batch / ranks)."""
+        out: list[list[int]] = []
+        run: list[int] = []
+        for group in prompt_groups(samples):
+            if run and len(run) + len(group) > self.sub_samples:
+                out.append(run)
+                run = []
+            run += group
+        if run:
+            out.append(run)
+        return out
 
     def _sub_batch_loss(self, batch: Any, advs: list[Any]) -> tuple[torch.Tensor, dict[str, float]]:
         logp = self._logprobs(self.scorer, batch)
@@ -365,6 +386,11 @@ class ZeroLearner(Learner):
                     p.copy_(tensors[name])
                 if self.stage < 3:
                     torch.distributed.broadcast(p.data, src=0)
+        # ZeRO-1/2 keep their own float32 copy of each rank's partition (the weights AdamW updates, copied into the
+        # parameters after each step): it must hold the assigned weights too (ZeRO-3 on float32: the same tensors)
+        refresh = getattr(self.optimizer, "refresh_fp32_params", None)
+        if refresh is not None:
+            refresh()
         # AdamW afresh: its state of other weights would be wrong here
         for state in getattr(self.optimizer, "state", {}).values():
             state.clear()

@@ -63,10 +63,10 @@ def micro_batches(cfg: ChorusConfig, step: int) -> list[list[Sample]]:
     return [rows[k : k + MICRO] for k in range(0, GLOBAL, MICRO)]
 
 
-def train(learner, cfg: ChorusConfig) -> list[float]:  # type: ignore[no-untyped-def]
-    """STEPS steps of ``learner`` (a torch Learner or a TrainerGroup) on the case's batches; the losses."""
+def train(learner, cfg: ChorusConfig, steps: int = STEPS) -> list[float]:  # type: ignore[no-untyped-def]
+    """``steps`` steps of ``learner`` (a torch Learner or a TrainerGroup) on the case's batches; the losses."""
     losses = []
-    for step in range(STEPS):
+    for step in range(steps):
         for mb in micro_batches(cfg, step):
             learner.micro_batch(mb, list(range(len(mb))), cfg.train.advantage)
         result = learner.step()
@@ -75,12 +75,18 @@ def train(learner, cfg: ChorusConfig) -> list[float]:  # type: ignore[no-untyped
     return losses
 
 
-def main(config: str, out: str) -> int:
+def main(config: str, out: str, mode: str = "train") -> int:
+    """``train``: STEPS steps. ``restore``: one step, then the group restored to its starting weights at version 0
+    from the weights alone (no DeepSpeed checkpoint: AdamW afresh), then STEPS steps."""
     from services.trainer.zero import TrainerGroup
 
     cfg = load_config(config)
     group = TrainerGroup(cfg, "m")
     try:
+        if mode == "restore":
+            start = {k: t.clone() for k, t in group.named_tensors().items()}
+            train(group, cfg, steps=1)
+            group.load_state_dict({"version": 0, "model": start, "optimizer": None})
         losses = train(group, cfg)
         torch.save({"losses": losses, "tensors": {k: t.clone() for k, t in group.named_tensors().items()},
                     "version": group.version}, out)
@@ -90,4 +96,4 @@ def main(config: str, out: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], sys.argv[2]))
+    sys.exit(main(*sys.argv[1:4]))

@@ -24,8 +24,8 @@ ROOT = Path(__file__).resolve().parents[2]
 ATOL, RTOL = 1e-4, 1e-3
 
 
-def run_group(config: Path, out: Path) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "tests.deepspeed.cases", str(config), str(out)], cwd=ROOT,
+def run_group(config: Path, out: Path, mode: str = "train") -> dict:
+    proc = subprocess.run([sys.executable, "-m", "tests.deepspeed.cases", str(config), str(out), mode], cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-6000:])
     return torch.load(out)
@@ -53,4 +53,20 @@ def test_a_two_rank_zero_group_trains_the_weights_the_torch_learner_trains(tmp_p
     moved = max(float((own[k] - start[k]).abs().max()) for k in own)
     assert moved > 1e-3  # the steps changed the weights: the comparison below is not of untouched tensors
     for name, t in own.items():
+        torch.testing.assert_close(group["tensors"][name], t, atol=ATOL, rtol=RTOL, msg=name)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_group_restored_from_weights_alone_trains_from_them(tmp_path, stage: int) -> None:
+    """A restore without a DeepSpeed checkpoint (another machine, a deleted directory) puts the committed weights into
+    every rank's shards and the optimizer's own copy of them: the steps after it are the torch learner's from those
+    weights with a fresh AdamW, not a continuation of the weights the group held before."""
+    config = case_config(tmp_path, stage=stage, lora=False, kl=False)
+    group = run_group(config, tmp_path / "group.pt", mode="restore")
+    cfg = load_config(config)
+    learner = Learner(cfg, "m")
+    losses = train(learner, cfg)
+    assert group["version"] == STEPS
+    assert group["losses"] == pytest.approx(losses, rel=1e-4, abs=1e-6)
+    for name, t in learner.named_tensors().items():
         torch.testing.assert_close(group["tensors"][name], t, atol=ATOL, rtol=RTOL, msg=name)

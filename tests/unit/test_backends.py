@@ -110,3 +110,27 @@ def test_chorus_up_refuses_a_deepspeed_run_where_deepspeed_is_not_installed(monk
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else real(name, *a))
     with pytest.raises(ConfigError, match=r"models.m.trainer.backend is deepspeed.*make venv-deepspeed"):
         check_backends_installed(cfg)
+
+
+def test_a_ranks_sub_batches_hold_whole_prompt_groups_and_at_most_a_micro_batch() -> None:
+    """However large the global batch, one forward of a rank holds at most a micro-batch of samples (a prompt group
+    larger than that goes alone); a prompt group is never split (its prompt runs once)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from services.trainer.zero import ZeroLearner
+    from shared.kernel.schemas import Array
+
+    def s(prompt: int) -> SimpleNamespace:
+        return SimpleNamespace(adapter=None, prompt_ids=Array.of([1, prompt], "int32"))
+
+    rank = ZeroLearner.__new__(ZeroLearner)
+    rank.sub_samples = 4
+    samples = [s(p) for p in (7, 7, 8, 8, 9, 9, 7, 5, 5, 5, 5, 5, 6)]
+    chunks = rank._chunks(samples)  # type: ignore[arg-type]
+    assert sorted(i for c in chunks for i in c) == list(range(len(samples)))
+    assert chunks == [[0, 1, 6], [2, 3, 4, 5], [7, 8, 9, 10, 11], [12]]
+    for c in chunks:
+        prompts = {int(np.asarray(samples[i].prompt_ids.numpy())[1]) for i in c}
+        assert len(c) <= rank.sub_samples or len(prompts) == 1
