@@ -1,0 +1,66 @@
+"""The central critic's learner: MARFT's value step (Appendix A: Adam with eps 1e-5 over the head alone, the
+clipped value loss against the GAE returns, gradients clipped to a norm), one step per batch of observations."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+
+from shared.models.critic import CentralCritic
+from shared.rlmath.marft_loss import explained_variance, value_loss
+
+ADAM_EPS = 1e-5  # MARFT's critic optimizer
+
+
+@dataclass(frozen=True)
+class CriticStep:
+    value_loss: float
+    grad_norm: float
+    explained_variance: float  # of the values before the step, against the returns
+
+
+class CriticLearner:
+    """Trains ``critic``'s head: ``lr``, ``grad_clip`` (None: no clipping), ``value_clip`` (the clipped value
+    loss's range around the values the samples were scored with; None: plain loss), ``huber_delta`` (None: the
+    squared error)."""
+
+    def __init__(self, critic: CentralCritic, *, lr: float, grad_clip: float | None = 1.0,
+                 value_clip: float | None = 0.2, huber_delta: float | None = None) -> None:
+        self.critic = critic
+        self.params = [p for p in critic.head.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.Adam(self.params, lr=lr, eps=ADAM_EPS)
+        self.grad_clip, self.value_clip, self.huber_delta = grad_clip, value_clip, huber_delta
+
+    @torch.no_grad()
+    def values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """V of each observation [B] (float32), as the coordinator asks for them."""
+        return self.critic(input_ids, attention_mask)
+
+    def step(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, old_values: torch.Tensor,
+             returns: torch.Tensor) -> CriticStep:
+        """One optimizer step of the value loss over these observations."""
+        self.critic.train()
+        values = self.critic(input_ids, attention_mask)
+        loss = value_loss(values, old_values.float(), returns.float(), self.value_clip, self.huber_delta)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if self.grad_clip is not None:
+            norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip))
+        else:
+            norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in self.params if p.grad is not None])))
+        self.optimizer.step()
+        self.critic.eval()
+        return CriticStep(float(loss.detach()), norm, explained_variance(values.detach(), returns.float()))
+
+    def state_dict(self) -> dict:
+        """The head and Adam's state, copies (the live optimizer state would change under a later step)."""
+        return {"head": self.critic.head_state(), "optimizer": copy.deepcopy(self.optimizer.state_dict())}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.critic.load_head_state(state["head"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+
+__all__ = ["ADAM_EPS", "CriticLearner", "CriticStep"]
