@@ -99,16 +99,22 @@ class BatchGate:
         self.batches += 1
         return True
 
-    def started(self) -> None:
+    def started(self) -> dict[str, float]:
+        """Count a task in the open batch with its expected samples; returns them (what :meth:`finished` takes back:
+        the estimate may change while the task runs, when tasks give varying numbers of samples)."""
+        ticket = {m: self.expected[m] for m in self.models}
         for m in self.models:
-            self.reserved[m] = self.reserved.get(m, 0.0) + self.expected[m]
+            self.reserved[m] = self.reserved.get(m, 0.0) + ticket[m]
         self.in_flight += 1
+        return ticket
 
-    def finished(self, samples: Mapping[str, int] | None) -> None:
-        """A task of the open batch ended with ``samples`` per model (None: abandoned, gave nothing)."""
+    def finished(self, samples: Mapping[str, int] | None, ticket: Mapping[str, float] | None = None) -> None:
+        """A task of the open batch ended with ``samples`` per model (None: abandoned, gave nothing); ``ticket``:
+        what :meth:`started` reserved for it (default: the current estimate)."""
         got = samples or {}
         for m in self.models:
-            self.reserved[m] = self.reserved.get(m, 0.0) - self.expected[m] + got.get(m, 0)
+            held = self.expected[m] if ticket is None else ticket[m]
+            self.reserved[m] = self.reserved.get(m, 0.0) - held + got.get(m, 0)
             if got.get(m, 0) > 0:  # a task that lost its groups says nothing about the next one
                 self.expected[m] = float(got[m])
         self.in_flight -= 1

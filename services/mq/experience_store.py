@@ -151,6 +151,10 @@ class ExperienceStore(Generic[H]):
         self._dead = _Recent(remember)  # group keys dropped
         self._seq = 0
         self._owed = 0  # sync mode: samples of the released global batch not yet taken
+        # sync mode: samples taken since the trainer's version last moved. The trainer holds them toward its next
+        # step, so the next batch is released when the store has the rest (groups of MARFT's episodes vary in
+        # size: a batch may end part-way through a micro-batch, and its last group then overshoots it).
+        self._sent = 0
         self.duplicates = 0
         self.finished = False
 
@@ -199,6 +203,7 @@ class ExperienceStore(Generic[H]):
         if version <= self.trained_version:
             return []
         self.trained_version = version
+        self._sent = 0
         if not self._episode:
             stale: Dropped[H] = Dropped(STALE)
             for sid in [r.sample_id for r in self._rows() if not r.is_processing and self._stale(r.policy_version)]:
@@ -258,9 +263,10 @@ class ExperienceStore(Generic[H]):
         if self.policy.mode != "sync":
             return self._take(units[:size]) if len(units) >= size else None
         if self._owed <= 0:
-            if sum(map(len, units)) < self.policy.global_batch:
-                return None
-            self._owed = self.policy.global_batch
+            need = self.policy.global_batch - self._sent
+            if need <= 0 or sum(map(len, units)) < need:
+                return None  # the trainer has (or the store lacks) the rest of the batch
+            self._owed = need
         chosen: list[list[str]] = []
         total = 0
         for unit in units:
@@ -271,6 +277,7 @@ class ExperienceStore(Generic[H]):
         if not chosen:
             return None
         self._owed -= total
+        self._sent += total
         return self._take(chosen)
 
     def commit(self, take: Take[H]) -> list[H]:
@@ -288,6 +295,7 @@ class ExperienceStore(Generic[H]):
             self._row_of(sid).is_processing = False
         if self.policy.mode == "sync":
             self._owed += len(ids)
+            self._sent -= len(ids)
 
     # --- status ---------------------------------------------------------------------------
     def depth(self) -> int:

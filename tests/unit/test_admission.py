@@ -281,3 +281,18 @@ def test_a_model_whose_mq_stopped_reporting_stops_pacing_but_every_model_stuck_s
     single.on_report("m", depth=16, trained=0, now=0.0)
     assert single.stuck("m", now=6.0)
     assert not single.may_start({"m": 0}, now=6.0)  # nobody else to feed: generating now would only be dropped
+
+
+def test_tasks_of_varying_size_give_back_what_they_reserved_when_the_estimate_moved():
+    # MARFT's episodes end early: tasks give 11 to 20 samples. Two tasks start on the estimate 16; the first ends
+    # with 20 (the estimate becomes 20), the second with 11: the batch holds 31 of 32, so one more task starts.
+    gate = BatchGate(["a"], global_batch=32, expected={"a": 16.0})
+    served = {"a": 0}
+    tickets = []
+    while gate.may_start(served):
+        tickets.append(gate.started())
+    assert len(tickets) == 2
+    gate.finished({"a": 20}, tickets[0])
+    gate.finished({"a": 11}, tickets[1])
+    assert gate.reserved["a"] == 31
+    assert gate.may_start(served)
