@@ -205,6 +205,21 @@ async def ensure_run(js: JetStreamContext, cfg: ChorusConfig) -> tuple[KeyValue,
                 **where,
             ),
         )
+    if cfg.marft_on:  # MARFT's critic samples, one CriticBatch per finished episode
+        await ensure_stream(
+            js,
+            jsapi.StreamConfig(
+                name=names.critic_stream(),
+                subjects=[names.critic_samples()],
+                retention=jsapi.RetentionPolicy.WORK_QUEUE,
+                storage=jsapi.StorageType.FILE,
+                max_msgs=1_000_000,
+                discard=jsapi.DiscardPolicy.NEW,
+                duplicate_window=dedup,
+                max_msg_size=max_bytes,
+                **where,
+            ),
+        )
     kv = await ensure_kv(js, names.kv_bucket, replicas=replicas, tags=tags)
     obj = await ensure_obj(js, names.obj_bucket, replicas=replicas, tags=tags)
     return kv, obj

@@ -320,6 +320,9 @@ class WorkflowConfig(Section):
     name: WorkflowName = "solve_verify"
     agents: list[str] = Field(default_factory=list)  # participants in order; mixture: the last one aggregates
     rounds: int | None = Field(default=None, ge=1)  # debate rounds (default 2), chain passes, mixture layers (1)
+    # chain only: after a round whose last answer is wrong, the next round is shown that answer and that it is
+    # wrong; a right answer ends the episode (`rounds` is then the horizon: MARFT's environment with feedback)
+    feedback: bool = False
     function: str | None = None  # custom: "path/to/file.py:function_name", relative to the config file or cwd
     echo_chars: int | None = Field(default=None, ge=1)  # characters of an earlier turn shown later; None: all
     solver: str = "solver"  # agent names of solve_verify
@@ -361,6 +364,8 @@ class WorkflowConfig(Section):
             raise ValueError(f"workflow.agents: {self.name} takes {want} agents, got {n}: {self.agents}")
         if self.name == "debate" and len(set(self.agents)) != n:
             raise ValueError(f"workflow.agents: debate agents must be distinct, got {self.agents}")
+        if self.feedback and self.name != "chain":
+            raise ValueError(f"workflow.feedback: only the chain workflow plays rounds with feedback (it is {self.name!r})")
         if self.name in ("solve_verify", "solver_coder_refiner") and self.rounds not in (None, 1):
             raise ValueError(f"workflow.rounds: {self.name} has one round, got {self.rounds}")
         return self
@@ -445,7 +450,9 @@ class Objective(Section):
     # The policy loss (docs/algorithms.md). ppo_clip: PPO-clip of pi_theta against the behaviour policy mu
     # (verl's bypass mode). decoupled: decoupled PPO as AReaL implements it, the clip centred on the
     # proximal policy (the weights before the step) and pi_prox / mu as an importance weight.
-    loss: Literal["ppo_clip", "decoupled"] = "ppo_clip"
+    # marft: MARFT's action-level PPO against the central critic's GAE advantages (the `marft` section,
+    # docs/marft.md); for the whole run, set in train.loss.
+    loss: Literal["ppo_clip", "decoupled", "marft"] = "ppo_clip"
     loss_agg: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum"] = "seq-mean-token-mean"
     clip_eps: float = Field(default=0.2, gt=0.0, lt=1.0)
     # dual-clip: a negative-advantage token's loss is at most clip_ratio_c * |A| (null: off); verl's default 3
@@ -471,6 +478,37 @@ class Objective(Section):
 
 
 OBJECTIVE_KEYS = tuple(Objective.model_fields)
+
+
+class CriticSection(Section):
+    """MARFT's central critic (§4.2.1): a frozen base model with a trainable MLP head, its own optimizer."""
+
+    model: str | None = None  # the configured model whose base it reads; null: the model of the workflow's first agent
+    head_sizes: list[int] = Field(default_factory=lambda: [1024, 512])  # hidden -> 1024 -> 512 -> 1 (ReLU, no bias)
+    lr: float = Field(default=1e-5, gt=0)  # Adam (eps 1e-5); MARFT's Table 5
+    grad_clip: float | None = Field(default=0.5, gt=0)  # null: no clipping
+    value_clip: float | None = Field(default=0.2, gt=0)  # the clipped value loss's range; null: the plain loss
+    huber_delta: float | None = Field(default=None, gt=0)  # null: the squared error
+    batch: int | None = Field(default=None, ge=1)  # observations per critic step; null: train.global_batch
+    threads: int = Field(default=1, ge=1)
+
+
+class MarftSection(Section):
+    """MARFT (docs/marft.md), read when train.loss is marft."""
+
+    # action: MARFT-A, a whole generation is one action; token: MARFT-T, every token is an action
+    variant: Literal["action", "token"] = "action"
+    gamma: float = Field(default=0.99, ge=0.0, le=1.0)  # discount per agent hop (per token hop in MARFT-T)
+    gae_lambda: float = Field(default=0.95, ge=0.0, le=1.0)  # GAE's lambda, per hop as gamma
+    # the action's log-probability divided by 1 (none), its token count (token) or its word count (word)
+    action_norm: Literal["none", "token", "word"] = "none"
+    # agent-by-agent updates: the agent (in workflow order) whose policy version v trains is (v // interval) % n;
+    # 0: every agent at every step. Only in the on-policy modes (train.mode sync or microbatch).
+    agent_interval: int = Field(default=0, ge=0)
+    # the trust-region cut: a step whose approximate KL (k3, over its tokens) is above this is skipped; null: no cut
+    kl_target: float | None = Field(default=0.02, gt=0)
+    warmup: int = Field(default=0, ge=0)  # the first versions in which only the critic trains
+    critic: CriticSection = Field(default_factory=CriticSection)
 
 
 class TrainConfig(Objective):
@@ -508,7 +546,7 @@ class TrainConfig(Objective):
 
 
 class MqConfig(Section):
-    capacity: int | None = None  # samples in flight before backpressure; None: (max_staleness+1)*global_batch
+    capacity: int | None = None  # samples in flight before backpressure; None: (max_staleness+1)*global_batch (MARFT: +2)
     report_interval_s: float = 0.5
     max_ready_msgs: int = 256
 
@@ -590,6 +628,7 @@ class ChorusConfig(BaseSettings):
     reward: RewardSection = Field(default_factory=RewardSection)
     eval: EvalSection = Field(default_factory=EvalSection)
     train: TrainConfig = Field(default_factory=TrainConfig)
+    marft: MarftSection = Field(default_factory=MarftSection)
     mq: MqConfig = Field(default_factory=MqConfig)
     actions: ActionsConfig = Field(default_factory=ActionsConfig)
     paramsync: ParamSyncConfig = Field(default_factory=ParamSyncConfig)
@@ -649,6 +688,7 @@ class ChorusConfig(BaseSettings):
                 f"train.global_batch ({self.train.global_batch}) must be a multiple of "
                 f"workflow.group_size ({self.workflow.group_size}): groups are never split"
             )
+        self._marft_checks()
         if self.paramsync.chunk_kb * 1024 > self.nats.max_payload_mb * 1024 * 1024:
             raise ValueError(f"paramsync.chunk_kb ({self.paramsync.chunk_kb}) must fit in one NATS message "
                              f"(nats.max_payload_mb {self.nats.max_payload_mb})")
@@ -658,6 +698,64 @@ class ChorusConfig(BaseSettings):
                 "a smaller backlog could never make a whole optimizer step"
             )
         return self
+
+    def _marft_checks(self) -> None:
+        """MARFT's settings mean something only with train.loss marft, and need a Flex-MG workflow."""
+        losses = {m: self.objective(m).loss for m in self.models}
+        on = [m for m, loss in losses.items() if loss == "marft"]
+        if on and len(on) != len(losses):
+            off = sorted(set(losses) - set(on))
+            raise ValueError(f"models.{off[0]}.train.loss: MARFT trains every agent against one critic; set "
+                             "train.loss: marft for the whole run, not per model")
+        if not on:
+            if self.marft != MarftSection():  # a dumped config carries the defaults: only set keys are refused
+                raise ValueError("marft: read only when train.loss is marft (it is "
+                                 f"{self.train.loss!r}); remove the section or set train.loss: marft")
+            return
+        wf, mc, tc = self.workflow, self.marft, self.train
+        if wf.name in ("mixture", "debate"):
+            raise ValueError(f"workflow.name: {wf.name} runs the agents of a round concurrently; MARFT needs them "
+                             "to act one after another in each round (chain, solve_verify, solver_coder_refiner or "
+                             "a custom workflow whose turns carry metadata.round)")
+        if wf.sampling == "tree":
+            raise ValueError("workflow.sampling: tree sampling scores every step's candidates on their own; MARFT's "
+                             "advantages come from the critic along whole episodes (use sampling: parallel)")
+        if tc.grouping != "episode":
+            raise ValueError("train.grouping: MARFT's GAE is computed by the coordinator over whole episodes; set "
+                             "grouping: episode")
+        if any(self.objective(m).kl_coef > 0 and self.objective(m).kl_in == "reward" for m in self.models):
+            raise ValueError("train.kl_in: reward changes rewards after the coordinator's GAE has used them; with "
+                             "train.loss marft put the KL in the loss (kl_in: loss)")
+        if mc.agent_interval and tc.mode == "async":
+            raise ValueError(f"marft.agent_interval: agent-by-agent updates (interval {mc.agent_interval}) hold the "
+                             "other agents still while one learns from samples of the current policies, so they "
+                             "need an on-policy mode: set train.mode sync or microbatch, or agent_interval: 0")
+        if mc.agent_interval:
+            for model in self.models:
+                shared = [a for a in self.agents_of(model) if self.agents[a].adapter is None]
+                if len(self.agents_of(model)) > 1 and shared:
+                    raise ValueError(f"marft.agent_interval: agents {self.agents_of(model)} share model {model!r} "
+                                     f"and {shared} have no adapter of their own, so one agent's update moves the "
+                                     "others too; give each a LoRA adapter or set agent_interval: 0")
+        ds = sorted(m for m, c in self.models.items() if c.trainer.backend == "deepspeed")
+        if ds:
+            raise ValueError(f"models.{ds[0]}.trainer.backend: MARFT's loss runs on the torch trainer only; set "
+                             "backend: torch")
+        if mc.critic.model is not None and mc.critic.model not in self.models:
+            raise ValueError(f"marft.critic.model: {mc.critic.model!r} is not one of models {sorted(self.models)}")
+
+    @property
+    def marft_on(self) -> bool:
+        """Whether the run trains with MARFT (train.loss marft): a critic service, GAE in the coordinator."""
+        return self.train.loss == "marft"
+
+    def marft_agents(self) -> list[str]:
+        """The agents in the order they act within a round (MARFT's agent index i)."""
+        return list(self.workflow.agents) or list(self.agents)
+
+    def critic_model(self) -> str:
+        """The model whose base the critic reads (marft.critic.model, else the first agent's)."""
+        return self.marft.critic.model or self.agents[self.marft_agents()[0]].model
 
     # --- derived --------------------------------------------------------------------------
     @property
@@ -696,7 +794,9 @@ class ChorusConfig(BaseSettings):
     def mq_capacity(self) -> int:
         if self.mq.capacity is not None:
             return self.mq.capacity
-        return (self.train.max_staleness + 1) * self.train.global_batch
+        # MARFT's episodes end early, so its groups and batches vary in size: a step may take more than one global
+        # batch's samples, and one more batch of room keeps the on-policy gate from waiting on the backlog
+        return (self.train.max_staleness + (2 if self.marft_on else 1)) * self.train.global_batch
 
     def micro_batch_groups(self) -> int:
         """Whole groups per micro-batch (at least one)."""

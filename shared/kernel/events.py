@@ -27,6 +27,7 @@ ADMISSION_STOPPED = "admission_stopped"
 WORKFLOW_ERROR = "workflow_error"
 RUN_FAILED = "run_failed"
 ROUTING = "routing"
+CRITIC_STEP = "critic_step"
 
 EVENTS: tuple[EventKind, ...] = (
     EventKind(STEP, "trainer", "the StepRecord fields (version, samples, sample_ids, reward_mean, loss, ...)",
@@ -45,6 +46,8 @@ EVENTS: tuple[EventKind, ...] = (
               "the user's workflow raised or timed out (logged once per distinct error, counted after)"),
     EventKind(RUN_FAILED, "coordinator", "error, errors",
               "workflow.max_failures reached: the coordinator stops the run (exit 78)"),
+    EventKind(CRITIC_STEP, "critic", "version, samples, sample_ids, value_loss, explained_variance, critic_grad_norm",
+              "MARFT's critic committed a step of its head: which critic samples it trained", record=True),
     EventKind(ROUTING, "rollouter", "routing (bool), version, reason",
               "a rollouter instance joined (routing true) or left (false) its model's request routing"),
 )

@@ -162,6 +162,11 @@ class Sample(Message):
     group_key: str  # AT-GRPO group: (env, agent, turn)
     group_size: int = Field(gt=0)
     advantage: float | None = None  # set by the coordinator under train.grouping "episode"; else the trainer's
+    # MARFT (train.loss marft), set by the coordinator's GAE: per action (one entry for MARFT-A, one per response
+    # token for MARFT-T) the critic's value V and the return R = V + A; MARFT-T's per-token advantages
+    gae_values: Array | None = None
+    gae_returns: Array | None = None
+    token_advantages: Array | None = None
     version: int  # acting model's weight version at generation (of the oldest token: staleness counts from it)
     # weight version of each response token, int32 [n]; None: all ``version``. Several versions only when a
     # sync interrupted the generation (rollouter.on_sync interrupt).
@@ -340,3 +345,46 @@ class DlqEntry(Message):
     reason: str
     data: bytes
     time: float = Field(default_factory=time.time)
+
+
+class CriticRow(Message):
+    """One observation for the central critic: token ids, and the positions whose hidden state it values (MARFT-A:
+    the observation's last token; MARFT-T: the state before each response token)."""
+
+    ids: Array
+    positions: list[int]
+
+
+class CriticRequest(Message):
+    """The coordinator asks the critic for the values of a finished episode's observations (request/reply)."""
+
+    rows: list[CriticRow]
+
+
+class CriticValues(Message):
+    """The critic's answer: per row, a value per position; ``version``: the critic's committed version."""
+
+    values: list[list[float]] = Field(default_factory=list)
+    version: int = 0
+    error: str | None = None
+
+
+class CriticSample(Message):
+    """One observation to train the critic on: its values when the coordinator asked (V_old of the clipped value
+    loss) and its GAE returns (the targets), one per position."""
+
+    model_config = ConfigDict(allow_inf_nan=True)
+
+    sample_id: str  # the policy sample it belongs to
+    row: CriticRow
+    old_values: list[float]
+    returns: list[float]
+
+
+class CriticBatch(Message):
+    """The critic samples of one finished episode, published once (its id deduplicates a repeat)."""
+
+    MAX_BYTES: ClassVar[int | None] = None
+
+    batch_id: str
+    samples: list[CriticSample]

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
 _OBJECT = re.compile(r"^(weights|state)/(?P<model>[A-Za-z0-9_-]+)/v(?P<version>\d+)(-[A-Za-z0-9]+)?$")
 
-SERVICES = ("coordinator", "rollouter", "mq", "trainer", "paramsync", "actions")
+SERVICES = ("coordinator", "rollouter", "mq", "trainer", "paramsync", "actions", "critic")
 
 # The subjects each service subscribes to (core NATS or a JetStream consumer's filter), by the Names method that
 # builds them. Each one is fuzzed by the tests (tests/integration/test_fuzz.py), which also check on a live run
@@ -23,17 +23,20 @@ LISTENS: dict[str, tuple[str, ...]] = {
     "trainer": ("ready", "weights_meta", "weights_pull", "status"),
     "paramsync": ("sync_announce", "status"),
     "actions": ("actions_submit", "status"),
+    "critic": ("critic_values", "critic_samples", "status"),
 }
 # The subjects each service kind publishes on (core NATS, JetStream, requests), by the Names method that builds them;
 # every kind also publishes its own OWN subjects and probes the status endpoint of any service (its peers). With
 # LISTENS and the KV keys of KV_WRITES, shared/launcher/natsauth.py derives each kind's permissions (deploy/nats/auth.conf).
 PUBLISHES: dict[str, tuple[str, ...]] = {
-    "coordinator": ("traj", "gen", "gen_direct", "rollout_control", "actions_submit"),
+    "coordinator": ("traj", "gen", "gen_direct", "rollout_control", "actions_submit", "critic_values",
+                    "critic_samples"),
     "rollouter": ("rollout_load", "weights_meta", "weights_pull"),
     "mq": ("depth", "ready"),
     "trainer": ("sync_announce",),
     "paramsync": ("sync_done", "rollout_control"),
     "actions": (),
+    "critic": (),
 }
 OWN = ("metrics", "events", "dlq")
 # The run's KV keys each kind writes (puts, compare-and-swaps, deletes), by the Names method that builds them.
@@ -41,8 +44,9 @@ KV_WRITES: dict[str, tuple[str, ...]] = {
     "trainer": ("trained_key", "weights_key"),
     "paramsync": ("version_key", "sync_key", "rollouter_key"),
     "rollouter": ("rollouter_key",),
+    "critic": ("critic_key",),
 }
-OBJECT_WRITERS = ("trainer",)  # weights and committed state go into the run's object store
+OBJECT_WRITERS = ("trainer", "critic")  # weights and committed state go into the run's object store
 # Subjects no service subscribes to: what services publish for people and tools to watch, and the general
 # builders the subjects above are made with.
 WATCHED_ONLY = ("metrics", "metrics_all", "metrics_every_run", "events", "events_all", "dlq", "srv_ping")
@@ -127,6 +131,31 @@ class Names:
     # --- actions ----------------------------------------------------------------------------
     def actions_submit(self) -> str:
         return f"{self.prefix}.actions.submit"
+
+    # --- MARFT's central critic (train.loss marft) --------------------------------------------
+    def critic_values(self) -> str:
+        """Request/reply to the critic: the values of a finished episode's observations."""
+        return f"{self.prefix}.critic.values"
+
+    def critic_samples(self) -> str:
+        """The critic's training samples (JetStream, one CriticBatch per episode)."""
+        return f"{self.prefix}.critic.samples"
+
+    def critic_stream(self) -> str:
+        return f"CHORUS_{_upper(self.run)}_CRITIC"
+
+    @staticmethod
+    def critic_consumer() -> str:
+        return "critic"
+
+    @staticmethod
+    def critic_key() -> str:
+        """The critic's commit point: JSON {version, object} of its newest committed head and optimizer."""
+        return "critic"
+
+    @staticmethod
+    def critic_object(version: int, epoch: str) -> str:
+        return f"critic/v{version}-{epoch}"
 
     # --- control, observability -------------------------------------------------------------
     def control(self, service: str, verb: str) -> str:

@@ -62,6 +62,22 @@ def arrays_problem(s: Sample, vocab_size: int | None = None, context: int | None
         v = tv.numpy()
         if v.size and int(v.min()) != s.version:
             return f"version {s.version} is not the oldest of token_versions (min {int(v.min())})"
+    return gae_problem(s)
+
+
+def gae_problem(s: Sample) -> str | None:
+    """MARFT's GAE arrays: 1-d float, finite, one entry per action (values and returns: 1 or one per response token;
+    token advantages: one per response token)."""
+    n = int(s.response_ids.shape[0])
+    for name in ("gae_values", "gae_returns", "token_advantages"):
+        arr: Array | None = getattr(s, name)
+        if arr is None:
+            continue
+        sizes = (n,) if name == "token_advantages" else (1, n)
+        if len(arr.shape) != 1 or arr.shape[0] not in sizes or arr.dtype not in ("float32", "float64"):
+            return f"{name} must be float32 with {' or '.join(map(str, sizes))} entries, has {arr.dtype} {arr.shape}"
+        if not np.isfinite(arr.numpy()).all():
+            return f"{name} must be finite"
     return None
 
 
@@ -91,7 +107,8 @@ def provenance_problem(s: Sample, cfg: ChorusConfig) -> str | None:
     if agent.adapter != s.adapter:
         return f"agent {s.agent!r} uses adapter {agent.adapter!r}, the sample says {s.adapter!r}"
     G = cfg.workflow.group_size
-    if s.group_size != G:
+    # MARFT keeps a turn that not every rollout reached (an episode that ended early): its group is smaller
+    if s.group_size != G and not (cfg.marft_on and 1 <= s.group_size <= G):
         return f"group_size {s.group_size}, the run's workflow.group_size is {G}"
     if not 0 <= s.rollout_idx < G or s.turn < 0 or s.env_idx < 0:
         return f"rollout_idx {s.rollout_idx} (expected 0..{G - 1}), turn {s.turn}, env_idx {s.env_idx}"

@@ -14,6 +14,7 @@ from services.coordinator.workflows.scoring import majority, run_code, score_tur
 from services.coordinator.workflows.turns import (
     Step,
     chain_order,
+    clip,
     debate_order,
     mixture_order,
     play,
@@ -36,7 +37,7 @@ def trajectory(task: Task, turns: list[Turn], final: Turn) -> Trajectory:
                       final_reward=final.get("reward", 0.0), final_answer=final["metadata"].get("answer", ""))
 
 
-async def _played(ctx: Context, task: Task, order: Sequence[Step]) -> list[Turn]:
+async def _played(ctx: Context, task: Task, order: Sequence[Step], question: str | None = None) -> list[Turn]:
     async def tools(ctx: Context, stage: list[Step], turns: list[Turn]) -> None:
         coded = [t for s, t in zip(stage, turns, strict=True) if s.tool == "run_code"]
         if coded:
@@ -45,7 +46,7 @@ async def _played(ctx: Context, task: Task, order: Sequence[Step]) -> list[Turn]
                 t["metadata"]["tool_result"] = result
                 t["metadata"]["tool_output"] = tool_text(result)
 
-    turns = await play(ctx, task.question, order, chars=ctx.cfg.workflow.echo_chars, after_stage=tools)
+    turns = await play(ctx, task.question if question is None else question, order, chars=ctx.cfg.workflow.echo_chars, after_stage=tools)
     await score_turns(ctx, task, turns)
     return turns
 
@@ -62,8 +63,41 @@ async def debate(ctx: Context, task: Task) -> Trajectory:
 
 
 async def chain(ctx: Context, task: Task) -> Trajectory:
-    """Chain-of-agents: each agent refines the answer of the agent before it; the last answer is final."""
+    """Chain-of-agents: each agent refines the answer of the agent before it; the last answer is final. With
+    ``workflow.feedback`` a round is played only while the answers are wrong (:func:`chain_with_feedback`)."""
+    if ctx.cfg.workflow.feedback:
+        return await chain_with_feedback(ctx, task)
     turns = await _played(ctx, task, chain_order(ctx.agents, rounds_of(ctx)))
+    return trajectory(task, turns, turns[-1])
+
+
+def feedback_text(question: str, turn: Turn, chars: int | None) -> str:
+    """What the first agent of the next round is shown after a wrong answer: the question, the answer, and that
+    it was wrong."""
+    answer = str(turn["metadata"].get("answer", "")) or clip(turn["agent_output"], chars)
+    return f"{question}\n{turn['agent_name']}: {clip(turn['agent_output'], chars)}\nfeedback: {answer} is wrong.\n"
+
+
+async def chain_with_feedback(ctx: Context, task: Task) -> Trajectory:
+    """An environment of ``workflow.rounds`` time steps (MARFT's horizon): each round the agents act in order,
+    the last one answering; a right answer ends the episode, a wrong one is shown, marked wrong, to the next
+    round's first agent. Every turn's metadata carries its ``round``; the final answer is the last round's."""
+    chars = ctx.cfg.workflow.echo_chars
+    turns: list[Turn] = []
+    question = task.question
+    for r in range(rounds_of(ctx)):
+        played = await _played(ctx, task, chain_order(ctx.agents, 1), question)
+        offset = len(turns)
+        for t in played:
+            t["turn_id"] += offset
+            meta = t["metadata"]
+            meta["round"], meta["stage"] = r, meta["stage"] + offset
+            meta["seen"] = [i + offset for i in meta["seen"]]
+        turns += played
+        last = played[-1]
+        if last.get("reward", 0.0) >= 1.0:
+            break
+        question = feedback_text(task.question, last, chars)
     return trajectory(task, turns, turns[-1])
 
 

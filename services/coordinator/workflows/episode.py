@@ -117,7 +117,7 @@ async def run_episode(
         ep = tree_episode(cfg, task, env_idx, trajectories[0], ctxs[0], dict(versions()), seconds)
     else:
         ep = to_episode(cfg, task, env_idx, trajectories, ctxs, dict(versions()), seconds)
-    if cfg.train.grouping == "episode":
+    if cfg.train.grouping == "episode" and not cfg.marft_on:  # MARFT's advantages are the critic's GAE
         with_advantages(ep.samples, cfg.train.advantage)
     return ep
 
@@ -263,6 +263,10 @@ def to_episode(cfg: ChorusConfig, task: Task, env_idx: int, trajectories: list[d
     dropped = 0
     for _, group in sorted(candidates.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         if len(group) == G:
+            samples.extend(group)
+        elif cfg.marft_on:  # MARFT needs no groups: a turn that only some rollouts reached is kept, in a smaller one
+            for s in group:
+                s.group_size = len(group)
             samples.extend(group)
         else:
             dropped += 1
