@@ -4,6 +4,7 @@ clipped value loss against the GAE returns, gradients clipped to a norm), one st
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -42,14 +43,47 @@ class CriticLearner:
              returns: torch.Tensor) -> CriticStep:
         """One optimizer step of the value loss over these observations."""
         self.critic.train()
-        values = self.critic(input_ids, attention_mask)
+        return self._step(self.critic(input_ids, attention_mask), old_values, returns)
+
+    def row_features(self, rows: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id: int,
+                     chunk: int = 16) -> torch.Tensor:
+        """The frozen base's features at each row's positions, rows of ``(token ids, positions)`` run ``chunk``
+        at a time (right-padded with ``pad_id``); [N, H] with N the positions of all rows in order."""
+        out: list[torch.Tensor] = []
+        device = next(self.critic.head.parameters()).device
+        for start in range(0, len(rows), chunk):
+            part = rows[start : start + chunk]
+            width = max(len(ids) for ids, _ in part)
+            ids = torch.full((len(part), width), pad_id, dtype=torch.long)
+            mask = torch.zeros((len(part), width), dtype=torch.long)
+            r_idx: list[int] = []
+            p_idx: list[int] = []
+            for i, (row, positions) in enumerate(part):
+                ids[i, : len(row)] = torch.as_tensor(list(row), dtype=torch.long)
+                mask[i, : len(row)] = 1
+                r_idx += [i] * len(positions)
+                p_idx += [int(p) for p in positions]
+            out.append(self.critic.features_at(ids.to(device), mask.to(device), torch.as_tensor(r_idx, device=device),
+                                               torch.as_tensor(p_idx, device=device)))
+        return torch.cat(out) if out else torch.zeros(0)
+
+    @torch.no_grad()
+    def values_of(self, features: torch.Tensor) -> torch.Tensor:
+        """V at precomputed features [N, H] -> [N]."""
+        return self.critic.head(features).squeeze(-1)
+
+    def step_features(self, features: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor) -> CriticStep:
+        """One optimizer step of the value loss over precomputed features (:meth:`row_features`)."""
+        self.critic.train()
+        values = self.critic.head(features).squeeze(-1)
+        return self._step(values, old_values, returns)
+
+    def _step(self, values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor) -> CriticStep:
         loss = value_loss(values, old_values.float(), returns.float(), self.value_clip, self.huber_delta)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        if self.grad_clip is not None:
-            norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip))
-        else:
-            norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in self.params if p.grad is not None])))
+        norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip if self.grad_clip is not None
+                                                    else float("inf")))
         self.optimizer.step()
         self.critic.eval()
         return CriticStep(float(loss.detach()), norm, explained_variance(values.detach(), returns.float()))

@@ -70,7 +70,8 @@ class ChildSpec:
 
 def plan_services(cfg: ChorusConfig) -> list[ChildSpec]:
     """Start order: actions; per model mq, trainer, rollouters, paramsync; the pool of rollouters (``rollouter.pool``,
-    named pool<i>, started on :func:`pool_model`, moved by the rollout manager); the coordinator last."""
+    named pool<i>, started on :func:`pool_model`, moved by the rollout manager); MARFT's critic (train.loss
+    marft); the coordinator last."""
     plan = [ChildSpec("actions")]
     for model, mcfg in cfg.models.items():
         plan.append(ChildSpec("mq", model))
@@ -78,6 +79,8 @@ def plan_services(cfg: ChorusConfig) -> list[ChildSpec]:
         plan += [ChildSpec("rollouter", model, str(i)) for i in range(mcfg.rollouter.instances)]
         plan.append(ChildSpec("paramsync", model))
     plan += [ChildSpec("rollouter", pool_model(cfg), f"pool{i}") for i in range(cfg.rollouter.pool)]
+    if cfg.marft_on:
+        plan.append(ChildSpec("critic"))
     plan.append(ChildSpec("coordinator"))
     return plan
 

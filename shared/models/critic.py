@@ -48,6 +48,17 @@ class CentralCritic(nn.Module):
             last = attention_mask.long().sum(-1) - 1
             return hidden[torch.arange(hidden.shape[0], device=hidden.device), last].float()
 
+    def features_at(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, rows: torch.Tensor,
+                    positions: torch.Tensor) -> torch.Tensor:
+        """The base's final hidden state at (row, position) pairs [N, H], float32, without gradients: MARFT-T
+        values the state before every response token, not only an observation's last one."""
+        if bool((positions >= attention_mask.long().sum(-1)[rows]).any()) or bool((positions < 0).any()):
+            raise ValueError("a position outside its row's real tokens")
+        with torch.no_grad():
+            body = getattr(self.base, "model", self.base)
+            hidden = body(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+            return hidden[rows, positions].float()
+
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return self.head(self.features(input_ids, attention_mask)).squeeze(-1)
 

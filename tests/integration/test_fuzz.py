@@ -34,6 +34,7 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402, F401, I001
 
 from services.actions.service import ActionsService
 from services.coordinator.service import CoordinatorService
+from services.critic.service import CriticService
 from services.mq.service import MqService
 from services.paramsync.service import ParamSyncService
 from services.rollouter.service import RollouterService
@@ -43,6 +44,10 @@ from shared.kernel.config import ChorusConfig, load_config
 from shared.kernel.schemas import (
     ActionRequest,
     Array,
+    CriticBatch,
+    CriticRequest,
+    CriticRow,
+    CriticSample,
     DepthReport,
     GenRequest,
     LoadReport,
@@ -66,8 +71,10 @@ RUN = "fuzz"
 NaN, INF = float("nan"), float("inf")
 
 
-def write_config(tmp_path, transport: str) -> ChorusConfig:
-    p = tmp_path / "fuzz.yaml"
+def write_config(tmp_path, transport: str, marft: bool = False) -> ChorusConfig:
+    """The world's run; ``marft``: the same run with train.loss marft, for the critic (the other services keep the
+    default loss: the critic's subjects are fuzzed without MARFT's traffic)."""
+    p = tmp_path / ("fuzz-marft.yaml" if marft else "fuzz.yaml")
     p.write_text(f"""
 run: {{id: {RUN}, dir: {tmp_path}, seed: 1}}
 models:
@@ -76,7 +83,7 @@ models:
 agents: {{solver: {{model: {M}}}, verifier: {{model: {M}, prompt: "v:"}}}}
 workflow: {{concurrency: 1, group_size: {G}, max_new_tokens: 2}}
 task: {{max_operand: 3, ops: ["+"], modulo: 10}}
-train: {{max_versions: 100000, global_batch: 4, micro_batch: 4, checkpoint_every: 0, max_staleness: 4}}
+train: {{max_versions: 100000, global_batch: 4, micro_batch: 4, checkpoint_every: 0, max_staleness: 4{", loss: marft" if marft else ""}}}
 mq: {{report_interval_s: 0.2}}
 actions: {{cores: 1, timeout_s: 2.0}}
 paramsync: {{transport: {transport}}}
@@ -89,6 +96,7 @@ metrics_interval_s: 0.5
 @dataclass
 class World:
     cfg: ChorusConfig
+    marft_cfg: ChorusConfig  # the critic's (MARFT's service)
     server: NatsServer
     loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.new_event_loop)
     services: dict[str, Service] = field(default_factory=dict)
@@ -113,6 +121,7 @@ class World:
             ("rollouter", lambda: RollouterService(cfg, nats_url=url, model=M)),
             ("paramsync", lambda: ParamSyncService(cfg, nats_url=url, model=M)),
             ("mq", lambda: MqService(cfg, nats_url=url, model=M)),
+            ("critic", lambda: CriticService(self.marft_cfg, nats_url=url)),
             ("coordinator", lambda: CoordinatorService(cfg, nats_url=url)),
         ]
         for name, make in order:
@@ -155,7 +164,7 @@ def worlds(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str],
         if transport not in made:
             tmp = tmp_path_factory.mktemp(f"fuzz-{transport}")
             server = NatsServer(tmp / "nats", monitor_port=free_port()).start()
-            w = World(write_config(tmp, transport), server)
+            w = World(write_config(tmp, transport), write_config(tmp, transport, marft=True), server)
             thread = threading.Thread(target=w.loop.run_forever, daemon=True)
             thread.start()
             made[transport] = w, thread
@@ -280,6 +289,43 @@ def ready_dlq_payloads(data: bytes) -> list[bytes]:
     return [data] if mb.model != M else [encode(s) for s in mb.samples]
 
 
+def critic_row(**update: Any) -> CriticRow:
+    return CriticRow(ids=Array.of([BOS_ID, 50, 43, 50]), positions=[3]).model_copy(update=update)
+
+
+def critic_sample(**update: Any) -> CriticSample:
+    return CriticSample(sample_id="fz_0_0", row=critic_row(), old_values=[0.1], returns=[0.5]).model_copy(update=update)
+
+
+def bad_critic_values() -> list[bytes]:
+    req = CriticRequest(rows=[critic_row()])
+    return [msgpack_with(req, schema=2), msgpack_with(req, rows="x"),
+            encode(CriticRequest(rows=[critic_row(ids=Array.of([BOS_ID, 10**6]))])),  # beyond the vocabulary
+            encode(CriticRequest(rows=[critic_row(ids=Array.of([-3, 50]))])),
+            encode(CriticRequest(rows=[critic_row(positions=[4])])),  # after the row's last token
+            encode(CriticRequest(rows=[critic_row(positions=[])])),
+            encode(CriticRequest(rows=[critic_row(ids=Array.of([], "int32"))]))]
+
+
+def bad_critic_samples() -> list[bytes]:
+    batch = CriticBatch(batch_id="fz", samples=[critic_sample()])
+    one = [critic_sample(old_values=[0.1, 0.2]), critic_sample(returns=[]),
+           critic_sample(row=critic_row(ids=Array.of([BOS_ID, 10**6]), positions=[1])),
+           critic_sample(row=critic_row(positions=[9]))]
+    return [msgpack_with(batch, schema=3), msgpack_with(batch, samples=[{"sample_id": "x"}]),
+            msgpack_with(batch, samples=[{**msgpack.unpackb(encode(critic_sample()), raw=False), "returns": [NaN]}]),
+            *[encode(CriticBatch(batch_id=f"fz{i}", samples=[s])) for i, s in enumerate(one)]]
+
+
+def critic_dlq_payloads(data: bytes) -> list[bytes]:
+    """What the critic puts in its DLQ for a batch: the whole message, or its bad samples one by one."""
+    try:
+        batch = decode(CriticBatch, data)
+    except DecodeError:
+        return [data]
+    return [encode(s) for s in batch.samples]
+
+
 def depth_report(**update: Any) -> dict[str, Any]:
     return {**json.loads(encode_json(DepthReport(model=M, depth=0, capacity=10, trained_version=0))), **update}
 
@@ -352,6 +398,10 @@ CASES: list[Case] = [
          lambda: encode(WeightsAnnounce(model=M, version=1, checksum="c", nbytes=4)), bad_announce),
     Case("actions", "actions_submit", lambda n: n.actions_submit(), lambda: encode(ActionRequest(
         action_id="fz", kind="echo", payloads=[{}])), bad_actions),
+    Case("critic", "critic_values", lambda n: n.critic_values(), lambda: encode(CriticRequest(rows=[critic_row()])),
+         bad_critic_values),
+    Case("critic", "critic_samples", lambda n: n.critic_samples(),
+         lambda: encode(CriticBatch(batch_id="fz", samples=[critic_sample()])), bad_critic_samples, stream=True),
 ]
 CASE_IDS = [f"{c.service}:{c.subject(Names(RUN)).removeprefix(f'chorus.{RUN}.')}" for c in CASES]
 CASE_PARAMS = [pytest.param(c, id=i, marks=[pytest.mark.ucx] if c.method in UCX_ONLY else []) for c, i in
@@ -364,7 +414,8 @@ async def send(w: World, case: Case, payloads: list[bytes]) -> None:
     subject = case.subject(Names(RUN))
     want: Counter[str] = Counter()
     for data in payloads:
-        expected = ready_dlq_payloads(data) if case.method == "ready" else [data]
+        expected = (ready_dlq_payloads(data) if case.method == "ready" else
+                    critic_dlq_payloads(data) if case.method == "critic_samples" else [data])
         want.update(digest(e) for e in expected)
     before = Counter(w.dlq[case.service])
     first_reason = len(w.reasons[case.service])
@@ -459,7 +510,7 @@ def test_every_subscribed_subject_of_every_service_has_a_fuzz_case(worlds: Calla
             assert subject in known, f"{service} subscribes to {subject}, which has no fuzz case"
             assert known[subject][0] == service, (subject, known[subject], service)
             seen.add(known[subject])
-    for stream in names.streams([M]):
+    for stream in [*names.streams([M]), names.critic_stream()]:
         for info in world.call(world.js.consumers_info(stream)):
             subject = info.config.filter_subject
             if subject and subject.startswith(names.prefix):
