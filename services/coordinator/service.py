@@ -18,6 +18,7 @@ from services.coordinator.admission import Admission, BatchGate, Pacer, expected
 from services.coordinator.evaluation import evaluate
 from services.coordinator.failures import FailureLog, error_key, root_cause
 from services.coordinator.keepbest import BestKeeper
+from services.coordinator.marft import apply_gae, critic_rows, rollouts
 from services.coordinator.routing import NoInstance, RolloutRouter
 from services.coordinator.tasks import Task, TaskSource, heldout_tasks
 from services.coordinator.workflows import (
@@ -40,6 +41,9 @@ from shared.kernel.schemas import (
     ActionRequest,
     ActionResult,
     Array,
+    CriticBatch,
+    CriticRequest,
+    CriticValues,
     DepthReport,
     GenRequest,
     GenResponse,
@@ -55,6 +59,7 @@ POLL_S = 0.05  # backpressure / budget re-check period
 VERSION_POLL_S = 0.2
 DRAIN_S = 20.0
 EMA = 0.05
+CRITIC_TIMEOUT_S = 120.0  # a value request the critic accepted; it may be in the middle of a step
 
 
 def per_model(ep: Episode) -> dict[str, int]:
@@ -110,6 +115,7 @@ class CoordinatorService(Service):
         expected = expected_samples(agent_models, wf.group_size, self.models)
         self.gate: BatchGate | None = None
         self.pacer: Pacer | None = None
+        self._ticket: dict[str, float] | None = None  # what the on-policy gate reserved for the task just admitted
         if cfg.train.mode == "async":
             self.pacer = Pacer(self.models, cfg.train.global_batch, cfg.train.max_staleness, expected,
                                stale_after_s=self.admission.stale_after_s)
@@ -268,7 +274,7 @@ class CoordinatorService(Service):
         assert self.gate is not None
         if not self.gate.may_start(self.served, done):
             return False
-        self.gate.started()
+        self._ticket = self.gate.started()  # taken by the task loop that asked, with no await in between
         return True
 
     # --- held-out evaluation --------------------------------------------------------------
@@ -332,6 +338,7 @@ class CoordinatorService(Service):
         consecutive = 0  # workflow failures in a row in this loop: the backoff grows with them
         retry: tuple[int, Task, int] | None = None  # a failed task to play again, with its attempt number
         while await self._wait_admitted():
+            ticket, self._ticket = self._ticket, None
             if retry is None:
                 (env_idx, task), attempt = self.tasks.next(), 0
             else:
@@ -359,12 +366,20 @@ class CoordinatorService(Service):
             finally:
                 self.in_flight -= 1
                 if self.gate is not None:
-                    self.gate.finished(None if ep is None else per_model(ep))
+                    self.gate.finished(None if ep is None else per_model(ep), ticket)
                 if self.pacer is not None:
                     self.pacer.finished(None if ep is None else per_model(ep))
             consecutive = 0
+            critic: CriticBatch | None = None
+            if self.cfg.marft_on:
+                try:
+                    critic = await self._marft(ep)
+                except Abandon as exc:  # the critic did not answer: the task's samples have no advantages
+                    self.counters["tasks_abandoned"] += 1
+                    self.log.warning("task abandoned", task=task.task_id, error=str(exc))
+                    continue
             # Once started, a task's samples are published whole even if a drain cancels this loop.
-            pub = asyncio.create_task(self._publish(ep))
+            pub = asyncio.create_task(self._publish(ep, critic))
             self._publishing.add(pub)
             pub.add_done_callback(self._publishing.discard)
             await asyncio.shield(pub)
@@ -399,8 +414,45 @@ class CoordinatorService(Service):
         prev_fc = self.final_correct_ema
         self.final_correct_ema = rate if prev_fc is None else (1 - EMA) * prev_fc + EMA * rate
 
-    async def _publish(self, ep: Episode) -> None:
+    async def _marft(self, ep: Episode) -> CriticBatch:
+        """MARFT: the critic's values of every observation of the episode (one request), then GAE over each
+        rollout in (round, position) order; writes rewards, advantages, values and returns into the samples."""
+        layout = rollouts(self.cfg, ep)
+        samples = [s for ro in layout for s in ro.samples]
+        rows = critic_rows(samples, self.cfg.marft.variant)
+        data = encode(CriticRequest(rows=rows))
+        reply = await self._request(self.names.critic_values(), data, CRITIC_TIMEOUT_S, "critic")
+        try:
+            answer = decode(CriticValues, reply)
+        except DecodeError as exc:
+            self.counters["critic_bad_replies"] += 1
+            raise Abandon(f"the critic's reply does not decode: {exc.reason}") from exc
+        if answer.error is not None or [len(v) for v in answer.values] != [len(r.positions) for r in rows]:
+            self.counters["critic_errors"] += 1
+            raise Abandon(f"the critic could not value task {ep.task.task_id}: "
+                          f"{answer.error or 'a value count that does not match the request'}")
+        self.counters["critic_values"] += len(rows)
+        return apply_gae(self.cfg, layout, answer.values, rows, f"critic-{ep.task.task_id}")
+
+    async def _publish_critic(self, batch: CriticBatch) -> None:
+        """The episode's critic samples, one message (its id deduplicates a repeat), before its policy samples."""
+        for attempt in range(MAX_ATTEMPTS):
+            try:
+                await self.js.publish(self.names.critic_samples(), encode(batch), timeout=PUBLISH_ACK_TIMEOUT_S,
+                                      headers={"Nats-Msg-Id": batch.batch_id})
+                self.counters["critic_samples_published"] += len(batch.samples)
+                return
+            except (nats.errors.Error, TimeoutError) as exc:
+                self.counters["critic_publish_retries"] += 1
+                self.log.warning("critic samples publish failed", error=f"{type(exc).__name__}: {exc}")
+            await asyncio.sleep(self._backoff(attempt))
+        self.counters["critic_samples_lost"] += len(batch.samples)
+        self.log.error("critic samples not published after retries", batch=batch.batch_id)
+
+    async def _publish(self, ep: Episode, critic: CriticBatch | None = None) -> None:
         """Publish every sample with its id as ``Nats-Msg-Id``; failures are retried (the id dedups)."""
+        if critic is not None:
+            await self._publish_critic(critic)
         pending = list(ep.samples)
         for attempt in range(MAX_ATTEMPTS):
             futs = []
