@@ -39,6 +39,8 @@ from shared.kernel.schemas import Sample
 from shared.kernel.validation import arrays_problem, numbers_problem
 from shared.models.loading import context_length, load_model, load_tokenizer, resolve_device, shipped_tensors
 from shared.rlmath.advantages import batch_advantages, batch_token_advantages
+from shared.rlmath.marft import agent_to_train, normalise_advantages
+from shared.rlmath.marft_loss import action_logprob, action_ratio, approx_kl
 from shared.rlmath.schedules import lr_factor
 
 _CKPT = re.compile(r"^v(\d+)\.pt$")
@@ -69,6 +71,10 @@ class StepResult:
     grad_norm: float
     stats: dict[str, float] = field(default_factory=dict)
     skipped: bool = False  # the gradient norm was not finite: no update, the version stays
+    # MARFT: samples of the batch the step did not train, by drop reason (another agent's turn to learn, the
+    # critic's warm-up, the trust-region cut), and what to say about each reason; the version still moves on
+    untrained: dict[str, list[str]] = field(default_factory=dict)
+    why: dict[str, str] = field(default_factory=dict)
 
 
 def collate(samples: Sequence[Sample], pad_id: int) -> Collated:
@@ -132,8 +138,13 @@ class Learner:
         self.kl_coef, self.kl_estimator = obj.kl_coef, obj.kl_estimator
         self.kl_reward = obj.kl_coef > 0 and obj.kl_in == "reward"  # the penalty goes into the rewards
         self.kl_loss = obj.kl_coef > 0 and obj.kl_in == "loss"  # the estimate goes into the loss
-        # reinforce_pp normalises over the global batch: its samples are held until the batch is in
-        self.batch_level = cfg.train.advantage == "reinforce_pp"
+        # reinforce_pp normalises over the global batch: its samples are held until the batch is in; so does MARFT
+        # (its advantages are normalised over the whole batch, every agent pooled)
+        self.marft = obj.loss == "marft"
+        self.batch_level = cfg.train.advantage == "reinforce_pp" or self.marft
+        self.marft_cfg = cfg.marft
+        self.marft_agents = cfg.marft_agents()
+        self.agent_models = {a: cfg.agents[a].model for a in cfg.agents}
         self._held: list[Sample] = []
         mcfg = cfg.models[model]
         optim = mcfg.optim
@@ -146,7 +157,8 @@ class Learner:
             raise ValueError(f"models.{model}.lora.dropout is {mcfg.lora.dropout}: mixed-adapter training runs "
                              "in eval mode, where dropout is off; set it to 0")
         self.adapters: list[str] | None = cfg.adapters_of(model) if self.lora else None
-        self.pad_id = load_tokenizer(cfg, model).pad_id
+        self.tokenizer = load_tokenizer(cfg, model)
+        self.pad_id = self.tokenizer.pad_id
         self.device = resolve_device(cfg, model)
         self.net = load_model(cfg, model, self.device)
         self.net.train(not self.lora)
@@ -389,6 +401,8 @@ class Learner:
         """Apply the optimizer once ``global_batch`` samples are in; returns None while fewer are."""
         if not self.ready():
             return None
+        if self.marft:
+            return self._marft_step()
         self._flush()
         n = self.accumulated
         # Each micro-batch divided by global_batch; a different count is renormalised to a mean over n.
@@ -422,6 +436,120 @@ class Learner:
         self._parts = []
         self._reward_kl = []
         return result
+
+    # --- MARFT ----------------------------------------------------------------------------
+    def _marft_step(self) -> StepResult:
+        """MARFT's policy step over the held global batch (docs/marft.md): the advantages normalised over the whole
+        batch (every agent pooled, exact zeros out of the statistics); only the selected agent's samples in the
+        loss (``(version // marft.agent_interval) % n``, every agent when the interval is 0), so only its adapter
+        gets gradients and a model none of whose agents is selected does not step; eq. (6)'s clipped action-level
+        ratio (MARFT-T: per token); above ``marft.kl_target`` the k3 KL over the step's tokens cuts the step.
+        The version moves on whether or not the weights do (the on-policy gate and the agent cycle go on)."""
+        held, self._held = self._held, []
+        self.accumulated = 0
+        mc = self.marft_cfg
+        token = mc.variant == "token"
+        # pooled normalisation over the batch's actions (MARFT-A) or tokens (MARFT-T)
+        if token:
+            arrays = [np.asarray(s.token_advantages.numpy() if s.token_advantages is not None else
+                                 np.full(int(s.response_ids.shape[0]), s.advantage or 0.0), dtype=np.float64)
+                      for s in held]
+            flat = normalise_advantages(np.concatenate(arrays)) if arrays else np.zeros(0)
+            adv: list[Any] = list(np.split(flat, np.cumsum([a.size for a in arrays])[:-1])) if arrays else []
+        else:
+            adv = normalise_advantages([s.advantage or 0.0 for s in held]).tolist()
+        selected = agent_to_train(self.version, mc.agent_interval, len(self.marft_agents))
+        agent = None if selected is None else self.marft_agents[selected]
+        untrained: dict[str, list[str]] = {}
+        why: dict[str, str] = {}
+        stats: dict[str, float] = {"marft_agent": -1.0 if selected is None else float(selected)}
+        if self.version < mc.warmup:
+            train_idx: list[int] = []
+            untrained["critic_warmup"] = [s.sample_id for s in held]
+            why["critic_warmup"] = f"critic warm-up: version {self.version} < marft.warmup {mc.warmup}"
+        else:
+            train_idx = [i for i, s in enumerate(held) if agent is None or s.agent == agent]
+            others = [s.sample_id for i, s in enumerate(held) if agent is not None and s.agent != agent]
+            if others:
+                untrained["marft_agent"] = others
+                why["marft_agent"] = (f"agent-by-agent: version {self.version} trains agent {agent!r} "
+                                      f"((v // {mc.agent_interval}) % {len(self.marft_agents)} = {selected})")
+        loss_sum, kl, tokens = 0.0, 0.0, 0.0
+        if train_idx:
+            loss_sum, kl, tokens, parts = self._marft_accumulate([held[i] for i in train_idx],
+                                                                 [adv[i] for i in train_idx], token)
+            stats.update(merge_token_stats(parts))
+        stats["approx_kl"] = kl
+        cut = bool(train_idx) and mc.kl_target is not None and kl > mc.kl_target
+        params = [p for p in self.trainable if p.grad is not None]
+        grad_norm = 0.0
+        if params and not cut:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.grad_clip if self.grad_clip > 0
+                                                             else float("inf")))
+        skipped = bool(params) and not cut and not math.isfinite(grad_norm)
+        lr = self.optim.lr * lr_factor(self.version + 1, self.max_versions, self.optim.schedule,
+                                       self.optim.warmup_versions, self.optim.min_lr_ratio)
+        if cut:
+            untrained["kl_cut"] = [held[i].sample_id for i in train_idx]
+            why["kl_cut"] = (f"trust-region cut: approximate KL {kl:.3g} > marft.kl_target {mc.kl_target:g} at "
+                             f"version {self.version}; the policy step is skipped")
+        elif params and not skipped:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.step()
+        if not skipped:
+            self.version += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        stats.update(lr=lr, kl_cut=float(cut), trained_samples=float(0 if cut else len(train_idx)))
+        self._parts, self._loss_sum = [], 0.0
+        return StepResult(self.version, len(held), loss_sum, grad_norm, stats, skipped, untrained, why)
+
+    def _marft_accumulate(self, samples: Sequence[Sample], advantages: Sequence[Any], token: bool
+                          ) -> tuple[float, float, float, list[dict[str, float]]]:
+        """Forward + backward of MARFT's policy loss over ``samples`` (normalised ``advantages``: one per sample,
+        or one array per sample in MARFT-T); returns (loss, approximate KL, tokens, per-sub-batch statistics)."""
+        mc = self.marft_cfg
+        n = len(samples)
+        total_tokens = float(sum(int(s.response_ids.shape[0]) for s in samples))
+        words = None
+        if mc.action_norm == "word":
+            words = [max(1, len(self.tokenizer.decode(s.response_ids.numpy().tolist()).split())) for s in samples]
+        loss_sum, kl_sum = 0.0, 0.0
+        parts: list[dict[str, float]] = []
+        for idx, batch in self._batches(samples):
+            logp = self._logprobs(self.scorer, batch)
+            mask = batch.loss_mask.to(logp.dtype)
+            a = token_layout([advantages[i] for i in idx], batch.loss_mask)
+            if token:
+                ratio = torch.exp(logp - batch.logp_behav)
+                clipped = torch.clamp(ratio, 1.0 - self.clip_eps, 1.0 + self.clip_eps)
+                surrogate = torch.min(ratio * a, clipped * a) * mask
+                loss = -surrogate.sum() / max(total_tokens, 1.0)
+                clipfrac = float((((ratio - clipped).abs() > 0).float() * mask).sum() / mask.sum().clamp(min=1))
+            else:
+                w = None if words is None else torch.as_tensor([words[i] for i in idx], device=logp.device)
+                lp = action_logprob(logp, mask, mc.action_norm, w)
+                lp_old = action_logprob(batch.logp_behav, mask, mc.action_norm, w)
+                ratio = action_ratio(lp, lp_old)
+                clipped = torch.clamp(ratio, 1.0 - self.clip_eps, 1.0 + self.clip_eps)
+                loss = -torch.min(ratio * a, clipped * a).sum() / n
+                clipfrac = float(((ratio - clipped).abs() > 0).float().mean())
+            entropy = self.scorer.last_entropy
+            ent = float((entropy.detach() * mask).sum() / mask.sum().clamp(min=1)) if entropy is not None else 0.0
+            if entropy is not None and self.entropy_coef > 0:
+                loss = loss - self.entropy_coef * (entropy * mask).sum() / max(total_tokens, 1.0)
+            if self.kl_loss:
+                ref = self._reference_logprobs(batch)
+                loss = loss + self.kl_coef * (kl_estimate(logp, ref, self.kl_estimator) * mask).sum() / max(total_tokens, 1.0)
+            k3 = approx_kl(logp.detach(), batch.logp_behav, mask)
+            tok = float(mask.sum())
+            kl_sum += float(k3) * tok
+            self._backward(loss)
+            loss_sum += float(loss.detach())
+            parts.append({"tokens": tok, "clip_frac": clipfrac, "entropy": ent,
+                          "ratio_mean": float((ratio.detach() * (mask if token else 1)).sum()
+                                              / (mask.sum().clamp(min=1) if token else max(len(idx), 1)))})
+        return loss_sum, kl_sum / max(total_tokens, 1.0), total_tokens, parts
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
         """What a weight update carries, by name: every parameter, or only the adapters of a LoRA model."""

@@ -339,9 +339,16 @@ class TrainerService(Service):
         if result.skipped:
             await self._skip_step(result)
             return
+        if not await self._drop_untrained(result):
+            return  # stopping before the drops were recorded: the micro-batches come back
         step_s = self.book.compute_s + (time.perf_counter() - t0)
+        summary = self.book.summary()
+        gone = {i for ids in result.untrained.values() for i in ids}
+        if gone:  # MARFT: in the step's batch, not trained by it (recorded as dropped above)
+            summary["sample_ids"] = [i for i in self.book.sample_ids if i not in gone]
+            summary["samples"] = len(summary["sample_ids"])
         record = StepRecord(model=self.model, version=result.version, dropped_stale=self.counters["dropped_stale"],
-                            step_seconds=round(step_s, 6), loss=result.loss, **self.book.summary())  # type: ignore[arg-type]
+                            step_seconds=round(step_s, 6), loss=result.loss, **summary)  # type: ignore[arg-type]
         line = record.model_dump(mode="json", exclude={"schema_"})
         fields = {**line, "grad_norm": result.grad_norm, "steps_skipped": self.counters["steps_skipped_nonfinite"],
                   "adapter_samples": dict(sorted(self.book.adapters.items())), **result.stats}
@@ -377,6 +384,23 @@ class TrainerService(Service):
             await self._finish()  # writes the final checkpoint
         elif every and result.version % every == 0:
             await self._checkpoint()
+
+    async def _drop_untrained(self, result: StepResult) -> bool:
+        """MARFT: record the samples of the step's batch that it did not train (another agent's turn, the critic's
+        warm-up, the trust-region cut) as dropped with the reason, before the step is committed and they are acked;
+        False if the service stopped first."""
+        for reason, ids in sorted(result.untrained.items()):
+            if not ids:
+                continue
+            self.counters[f"dropped_{reason}"] += len(ids)
+            if not await self._drop_ids(ids, reason, result.why.get(reason, reason)):
+                return False
+        if result.untrained.get("kl_cut"):
+            self.counters["steps_cut_kl"] += 1
+            self.log.warning("step cut: the approximate KL is above marft.kl_target; the weights stay",
+                             version=result.version, approx_kl=round(result.stats.get("approx_kl", 0.0), 6),
+                             samples=len(result.untrained["kl_cut"]))
+        return True
 
     async def _skip_step(self, result: StepResult) -> None:
         """The step's gradient norm was not finite and the learner kept its weights: its samples are recorded as

@@ -33,6 +33,19 @@ def load_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     return records
 
 
+def load_critic(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """MARFT's critic step lines (``"kind": "critic_step"``: version, value_loss, explained_variance, ...)."""
+    out = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and rec.get("kind") == "critic_step" and "version" in rec:
+            out.append(rec)
+    return out
+
+
 def load_evals(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """Held-out evaluation records, in version order."""
     evals: list[dict[str, Any]] = []
@@ -209,10 +222,11 @@ TRAINING_PANELS: list[tuple[str, list[tuple[str, str]]]] = [
     ("clipped tokens (fraction)", [("clip_frac", "clip_frac"), ("dual_clip_frac", "dual_clip_frac"),
                                    ("is_weight_capped_frac", "IS weight capped")]),
     ("KL estimates (token mean)", [("approx_kl_mu", "to mu (k1)"), ("approx_kl_prox", "to pi_prox (k1)"),
-                                   ("kl_ref", "to the reference")]),
+                                   ("kl_ref", "to the reference"), ("approx_kl", "MARFT's cut test (k3 to mu)")]),
     ("entropy (token mean)", [("entropy", "entropy")]),
     ("importance weights", [("is_weight_mean", "mean"), ("is_weight_max", "max"), ("ratio_mean", "ratio mean")]),
     ("skipped steps (non-finite gradient)", [("steps_skipped", "skipped, cumulative")]),
+    ("MARFT: steps cut by the trust region", [("kl_cut", "cut (1) or taken (0)")]),
 ]
 
 
@@ -246,6 +260,13 @@ def training_panels(metrics_path: str | os.PathLike[str],
         tokens.append((name, None, [p[0] for p in pts], [p[1] for p in pts]))
     if tokens:
         out.append(("held-out tokens generated per question (one rollout)", tokens))
+    critic = load_critic(metrics_path)
+    for key, title in (("value_loss", "MARFT critic: value loss (x: critic version)"),
+                       ("explained_variance", "MARFT critic: explained variance (x: critic version)")):
+        pts = [(int(r["version"]), float(r[key])) for r in critic if isinstance(r.get(key), int | float)]
+        if pts:
+            out.append((title, [(key.replace("_", " "), None, [p[0] for p in pts],
+                                 rolling_mean([p[1] for p in pts], smoothing_window(len(pts))))]))
     return out
 
 
