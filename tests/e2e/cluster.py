@@ -38,7 +38,7 @@ class Cluster:
             argv = ["taskset", "-c", ",".join(map(str, pinned)), *argv]  # it execs the command too
         return self.sup.start(key, argv)
 
-    def start_all(self, models: list[str], *, rollouters: int = 1) -> None:
+    def start_all(self, models: list[str], *, rollouters: int = 1, critic: bool = False) -> None:
         self.start("actions")
         for m in models:
             self.start("mq", m)
@@ -46,6 +46,8 @@ class Cluster:
             for i in range(rollouters):
                 self.start("rollouter", m, str(i))
             self.start("paramsync", m)
+        if critic:  # MARFT's central critic (train.loss marft)
+            self.start("critic")
         self.start("coordinator")
 
     def kill(self, key: str, sig: int = signal.SIGKILL) -> None:

@@ -23,11 +23,12 @@ import yaml
 from shared.launcher.natsserver import NatsCluster, NatsServer
 from tests.conftest import ROOT
 from tests.e2e.cluster import Cluster
-from tests.faults.ledger import Ledger, ModelReport, violations
+from tests.faults.ledger import CriticReport, Ledger, ModelReport, violations
 from tests.waits import WAIT_S
 
 MODELS = ["solver_lm", "verifier_lm"]
-SERVICE_KINDS = ("coordinator", "actions", "mq", "trainer", "rollouter", "paramsync")
+MARFT_MODELS = ["reasoner_lm", "actor_lm"]  # configs/marft-tiny.yaml
+SERVICE_KINDS = ("coordinator", "actions", "mq", "trainer", "rollouter", "paramsync", "critic")
 PER_MODEL_KINDS = ("mq", "trainer", "rollouter", "paramsync")  # one process per model; the others serve all
 LAGGING = "(lagging)"  # a Fault's model: whichever is furthest from the end, so the fault lands mid-run
 
@@ -62,6 +63,23 @@ def fault_config(tmp_path: Path, run_id: str, *, max_versions: int, replicas: in
     cfg["train"].update({"max_versions": max_versions, "global_batch": 32, "micro_batch": 16,
                          "checkpoint_every": 0, "ack_wait_s": 10.0})
     cfg["paramsync"].update({"transport": transport, "pause_timeout_s": 5.0, "load_timeout_s": 10.0})
+    cfg["peers"] = {"probe_interval_s": 0.5, "probe_timeout_s": 1.0, "misses": 3, "accept_timeout_s": 3.0}
+    cfg["metrics_interval_s"] = 1.0
+    path = tmp_path / f"{run_id}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def marft_fault_config(tmp_path: Path, run_id: str, *, max_versions: int) -> Path:
+    """configs/marft-tiny.yaml (MARFT: a critic service, agent-by-agent steps) with the fault config's timeouts."""
+    cfg = yaml.safe_load((ROOT / "configs" / "marft-tiny.yaml").read_text())
+    cfg["run"] = {"id": run_id, "dir": str(tmp_path / "runs"), "seed": 0, "restart_delay_s": 1.0}
+    cfg.pop("nats", None)
+    for m in cfg["models"].values():
+        m["rollouter"]["request_timeout_s"] = 10.0
+    cfg["train"].update({"max_versions": max_versions, "checkpoint_every": 0, "ack_wait_s": 10.0})
+    cfg["marft"]["agent_interval"] = 1  # agent by agent: a model that is not selected takes a null step
+    cfg["paramsync"] = {"pause_timeout_s": 5.0, "load_timeout_s": 10.0}
     cfg["peers"] = {"probe_interval_s": 0.5, "probe_timeout_s": 1.0, "misses": 3, "accept_timeout_s": 3.0}
     cfg["metrics_interval_s"] = 1.0
     path = tmp_path / f"{run_id}.yaml"
@@ -135,14 +153,18 @@ class FaultRun:
     """Runs a config to ``max_versions`` through faults; :meth:`run` returns what happened and what broke."""
 
     def __init__(self, tmp_path: Path, run_id: str, broker: Broker, config: Path, *, max_versions: int,
-                 seed: int = 0, rollouters: int = 1) -> None:
+                 seed: int = 0, rollouters: int = 1, models: list[str] | None = None, critic: bool = False) -> None:
         self.tmp_path, self.run_id, self.broker, self.config = tmp_path, run_id, broker, config
+        self.models = list(models or MODELS)  # the config's models (tiny-chain's by default)
+        self.critic = critic  # a MARFT run: its critic is started, and its samples accounted for
+        self.critic_report: CriticReport | None = None
+        self.critic_status: dict[str, Any] = {}
         self.max_versions = max_versions
         self.rollouters = rollouters  # instances per model; a fault on the rollouter hits one with work in flight
         self.coordinator_status: dict[str, Any] = {}  # its metrics snapshot once the run finished
         self.rng = random.Random(seed)
         self.cluster = Cluster(config, broker.url, tmp_path / "logs")
-        self.ledger = Ledger(run_id, MODELS, broker.url)
+        self.ledger = Ledger(run_id, self.models, broker.url, critic=critic)
         self.deadline = float("inf")  # monotonic time by which :meth:`run` must be done (its timeout_s)
         self.intended: set[str] = set()  # keys killed on purpose (not unexpected exits)
         self.unexpected: list[str] = []
@@ -225,7 +247,7 @@ class FaultRun:
 
     async def _moved(self, before: dict[str, int]) -> bool:
         now = await self.ledger.trained()
-        return all(now[m] > before[m] or now[m] >= self.max_versions for m in MODELS)
+        return all(now[m] > before[m] or now[m] >= self.max_versions for m in self.models)
 
     async def _until(self, cond: Callable[[], Awaitable[bool]], timeout_s: float, what: str) -> None:
         """Wait for ``cond``, at most ``timeout_s`` and never past the whole run's deadline (a run that is slow at
@@ -255,7 +277,7 @@ class FaultRun:
         t0 = time.monotonic()
         self.deadline = t0 + timeout_s
         await self.ledger.start()
-        self.cluster.start_all(MODELS, rollouters=self.rollouters)
+        self.cluster.start_all(self.models, rollouters=self.rollouters, critic=self.critic)
         watcher = asyncio.create_task(self._watch_exits())
         try:
             for fault in faults:
@@ -265,8 +287,8 @@ class FaultRun:
                     await self._until(lambda v=fault.at_version: self._reached_all(v), timeout_s,
                                       f"every model reaching v{fault.at_version} before {fault.name}")
                     now = await self.ledger.trained()
-                    fault.model = min(MODELS, key=lambda m: now[m])
-                model = fault.model if fault.target != "nats" else MODELS[0]
+                    fault.model = min(self.models, key=lambda m: now[m])
+                model = fault.model if fault.per_model else self.models[0]
                 await self._until(lambda m=model, v=fault.at_version: self._reached(m, v), timeout_s,
                                   f"{model} reaching v{fault.at_version} before {fault.name}")
                 await self._inject(fault)
@@ -275,7 +297,11 @@ class FaultRun:
             await self._until(self._quiet, 120, "the streams emptying after the run")
             paused = await self._paused_once_answering()
             reports = await self.ledger.report()
+            if self.critic:
+                self.critic_report = await self.ledger.critic_report()
             self.coordinator_status = await self.ledger.status("coordinator")
+            if self.critic:
+                self.critic_status = await self.ledger.status("critic")
             for fault in faults:
                 fault.recovered_s = self.ledger.loop_turned(fault.ended_at)
         finally:
@@ -284,6 +310,7 @@ class FaultRun:
             await self.cluster.stop_all()
             await self.ledger.close()
         problems = violations(reports, self.max_versions)
+        problems += self.critic_report.problems() if self.critic_report is not None else []
         problems += [f"rollouter {p}" for p in paused]
         problems += [f"fault {f.name} never recovered" for f in faults if f.recovered_s == float("inf")]
         problems += [f"fault {f.name} landed after the run had finished ({f.landed_at})" for f in faults
@@ -296,11 +323,11 @@ class FaultRun:
         The instances are those the coordinator routes to, by model: the balancer may have moved one to the other
         model under a new name. Fewer than were started, or one that does not answer, after :data:`WAIT_S`, is
         reported as such."""
-        started = self.rollouters * len(MODELS)
+        started = self.rollouters * len(self.models)
         deadline = min(time.monotonic() + WAIT_S, self.deadline)
         while True:
             routed = (await self.ledger.status("coordinator")).get("balance", {}).get("instances", {})
-            instances = {m: sorted(routed.get(m, {})) for m in MODELS}
+            instances = {m: sorted(routed.get(m, {})) for m in self.models}
             paused = await self.ledger.paused_instances(instances)
             silent = [p for p in paused if not p.endswith(": paused")]
             count = sum(len(v) for v in instances.values())
@@ -312,7 +339,7 @@ class FaultRun:
     def _mid_run(self, fault: Fault) -> bool:
         """A fault proves something only while training goes on: its model's (a shared service's or the broker's:
         every model's) trained version was below the end when it was injected."""
-        models = [fault.model] if fault.per_model else MODELS
+        models = [fault.model] if fault.per_model else self.models
         return all(fault.landed_at.get(m, self.max_versions) < self.max_versions for m in models)
 
     async def _reached(self, model: str, version: int) -> bool:

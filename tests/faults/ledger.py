@@ -23,7 +23,7 @@ from nats.js import api as jsapi
 
 from shared.kernel.bus import kv_get_int
 from shared.kernel.codec import DecodeError, decode, encode
-from shared.kernel.schemas import RolloutControl, RolloutControlReply, Sample
+from shared.kernel.schemas import CriticBatch, RolloutControl, RolloutControlReply, Sample
 from shared.kernel.subjects import Names
 
 
@@ -51,10 +51,39 @@ class ModelReport:
         return self.trained + sum(self.dropped.values())
 
 
+@dataclass
+class CriticReport:
+    """MARFT's critic's account of a run: its samples (published once per episode) trained once each by a committed
+    step, or still waiting in its stream."""
+
+    published: int = 0
+    trained: int = 0
+    pending: int = 0  # in messages still in the critic's stream (a batch not yet full when the run ended)
+    missing: list[str] = field(default_factory=list)
+    trained_twice: list[str] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    conflicting_versions: list[int] = field(default_factory=list)
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.missing:
+            out.append(f"critic: {len(self.missing)} published samples neither trained nor waiting, e.g. "
+                       f"{self.missing[:3]}")
+        if self.trained_twice:
+            out.append(f"critic: {len(self.trained_twice)} samples trained twice, e.g. {self.trained_twice[:3]}")
+        if self.conflicting_versions:
+            out.append(f"critic: versions recorded twice with different samples: {self.conflicting_versions[:5]}")
+        if self.versions != list(range(1, len(self.versions) + 1)):
+            out.append(f"critic: step versions are not 1..N: {self.versions[:10]}")
+        return out
+
+
 class Ledger:
     """Watches one run from its own connection; :meth:`report` reads the records and checks the invariants."""
 
-    def __init__(self, run_id: str, models: list[str], url: str) -> None:
+    def __init__(self, run_id: str, models: list[str], url: str, *, critic: bool = False) -> None:
+        self.critic = critic  # a MARFT run: its critic samples are watched too (:meth:`critic_report`)
+        self.critic_published: set[str] = set()
         self.names = Names(run_id)
         self.models = models
         self.url = url
@@ -72,6 +101,8 @@ class Ledger:
                                                       reconnect_time_wait=0.2), 10)
         for m in self.models:
             await self.nc.subscribe(self.names.traj(m), cb=self._on_sample)
+        if self.critic:
+            await self.nc.subscribe(self.names.critic_samples(), cb=self._on_critic)
         self._poll = asyncio.create_task(self._poll_versions())
         return self
 
@@ -97,6 +128,38 @@ class Ledger:
             if s.model in self.published:
                 self.published[s.model].add(s.sample_id)
                 self.published_at.setdefault(s.sample_id, time.time())
+
+    async def _on_critic(self, msg: Any) -> None:
+        with contextlib.suppress(DecodeError):
+            self.critic_published.update(s.sample_id for s in decode(CriticBatch, msg.data).samples)
+
+    async def critic_report(self) -> CriticReport:
+        """The critic's invariants, from its step records and what is left in its stream."""
+        assert self.nc is not None
+        js = self.nc.jetstream(timeout=10)
+        out = CriticReport(published=len(self.critic_published))
+        trained_at: dict[str, set[int]] = defaultdict(set)
+        steps: dict[int, list[str]] = {}
+        for rec in await self.records():
+            if rec.get("kind") != "critic_step":
+                continue
+            v, ids = int(rec["version"]), sorted(rec["sample_ids"])
+            if v in steps and steps[v] != ids:
+                out.conflicting_versions.append(v)
+            steps[v] = ids
+            for sid in ids:
+                trained_at[sid].add(v)
+        pending: set[str] = set()
+        state = (await js.stream_info(self.names.critic_stream())).state
+        for seq in range(state.first_seq, state.last_seq + 1) if state.messages else ():
+            with contextlib.suppress(nats.errors.Error, DecodeError):
+                msg = await js.get_msg(self.names.critic_stream(), seq)
+                pending.update(s.sample_id for s in decode(CriticBatch, msg.data or b"").samples)
+        out.trained, out.pending = len(trained_at), len(pending - set(trained_at))
+        out.trained_twice = sorted(sid for sid, vs in trained_at.items() if len(vs) > 1)
+        out.missing = sorted(self.critic_published - set(trained_at) - pending)
+        out.versions = sorted(steps)
+        return out
 
     async def _poll_versions(self) -> None:
         """Served and trained versions from KV every 0.2 s: neither may ever go down."""

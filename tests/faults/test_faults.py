@@ -15,6 +15,7 @@ import pytest
 
 from tests.faults.harness import (
     LAGGING,
+    MARFT_MODELS,
     MODELS,
     SERVICE_KINDS,
     Broker,
@@ -22,11 +23,41 @@ from tests.faults.harness import (
     FaultRun,
     describe,
     fault_config,
+    marft_fault_config,
     table,
 )
 
 GAUNTLET_VERSIONS = 60
+MARFT_VERSIONS = 30
 FREEZE_S = 20.0  # longer than every timeout of the fault config (requests 10 s, ack waits 10 and 15 s)
+
+
+async def test_marfts_critic_killed_twice_mid_run_loses_nothing_and_trains_nothing_twice(tmp_path, run_id,
+                                                                                        fault_table):
+    # MARFT's critic (configs/marft-tiny.yaml: agent-by-agent steps on two models) is SIGKILLed twice, once with a
+    # pause before its restart (the coordinator's value requests find no critic and back off, or give the task up)
+    # and once restarted at once. Its commits hold: its step versions run 1..N with no gap or repeat, every critic
+    # sample it was sent is trained once or still waits in its stream; the policy samples keep the run's books.
+    broker = Broker.single(tmp_path / "nats")
+    try:
+        config = marft_fault_config(tmp_path, run_id, max_versions=MARFT_VERSIONS)
+        fault_run = FaultRun(tmp_path, run_id, broker, config, max_versions=MARFT_VERSIONS, models=MARFT_MODELS,
+                             critic=True)
+        faults = [Fault("critic", "kill", 6, down_s=2.0), Fault("critic", "kill", 16, down_s=0.0)]
+        outcome = await fault_run.run(faults)
+    finally:
+        broker.stop()
+    fault_table.append(("MARFT's critic killed twice", outcome))
+    print(table([("critic", outcome)]))
+    assert not outcome.problems, describe(outcome)
+    assert not outcome.unexpected_exits, describe(outcome)
+    critic = fault_run.critic_report
+    assert critic is not None and critic.trained > 0 and critic.published == critic.trained + critic.pending, critic
+    # the last restart loaded the committed head: its versions went on from there
+    assert fault_run.critic_status["counters"].get("restored") == 1, fault_run.critic_status
+    assert fault_run.critic_status["version"] == len(critic.versions) > 0
+    for r in outcome.reports.values():
+        assert r.trained > 0 and r.published > 0
 
 
 async def test_every_service_kind_and_the_broker_killed_in_one_run(tmp_path, run_id, fault_table):

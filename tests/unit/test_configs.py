@@ -26,7 +26,8 @@ def test_shipped_config_loads(path: Path) -> None:
     assert cfg.train.micro_batch % cfg.workflow.group_size == 0  # micro-batches hold whole groups
     assert cfg.mq_capacity >= cfg.train.global_batch
     services = {s.service for s in plan_services(cfg)}
-    assert services == {"actions", "mq", "trainer", "rollouter", "paramsync", "coordinator"}
+    marft = {"critic"} if cfg.marft_on else set()  # MARFT's central critic, one per run
+    assert services == {"actions", "mq", "trainer", "rollouter", "paramsync", "coordinator", *marft}
 
 
 def test_tiny_chain_has_two_models_each_with_its_agent() -> None:
