@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import io
 import json
 import math
 import time
 import uuid
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -89,6 +90,9 @@ class CriticService(Service):
                                         initargs=(mc.threads,))
         self.learner, self.pad_id = await self._torch(build_learner, self.cfg)
         self.vocab = int(self.learner.critic.base.get_input_embeddings().num_embeddings)
+        # features of recent observations (see _features_of): a few batches of the run's samples in flight
+        self._cache: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+        self.cache_rows = 4 * max(self.batch, self.cfg.mq_capacity)
         self.epoch = uuid.uuid4().hex[:8]
         self.version = 0
         self.revision = 0  # of the commit point as this critic last read or wrote it
@@ -172,11 +176,34 @@ class CriticService(Service):
 
     def _values(self, req: CriticRequest) -> list[list[float]]:
         rows = self._rows(req.rows)
-        flat = self.learner.values_of(self.learner.row_features(rows, self.pad_id)).tolist()
+        features = self._features_of(rows)
+        flat = self.learner.values_of(torch.cat(features) if features else torch.zeros(0)).tolist()
         out, at = [], 0
         for _, positions in rows:
             out.append([float(v) for v in flat[at : at + len(positions)]])
             at += len(positions)
+        return out
+
+    def _features_of(self, rows: list[tuple[list[int], list[int]]]) -> list[torch.Tensor]:
+        """Each row's features at its positions. The base is frozen, so a row's features never change: those the
+        value request computed are kept (by the row's ids and positions) and the training step of the same
+        observation reads them instead of running the base again."""
+        keys = [hashlib.blake2b(repr(row).encode(), digest_size=16).digest() for row in rows]
+        missing = [i for i, k in enumerate(keys) if k not in self._cache]
+        if missing:
+            flat = self.learner.row_features([rows[i] for i in missing], self.pad_id)
+            at = 0
+            for i in missing:
+                n = len(rows[i][1])
+                self._cache[keys[i]] = flat[at : at + n].clone()
+                at += n
+            self.counters["feature_rows_computed"] += len(missing)
+        self.counters["feature_rows_reused"] += len(rows) - len(missing)
+        out = [self._cache[k] for k in keys]
+        for k in keys:
+            self._cache.move_to_end(k)
+        while len(self._cache) > self.cache_rows:
+            self._cache.popitem(last=False)
         return out
 
     # --- training -------------------------------------------------------------------------
@@ -237,16 +264,18 @@ class CriticService(Service):
 
     def _train(self, samples: list[CriticSample]) -> CriticStep:
         rows = self._rows([s.row for s in samples])
-        features = self.learner.row_features(rows, self.pad_id)
+        features = torch.cat(self._features_of(rows))
         old = torch.as_tensor([v for s in samples for v in s.old_values], dtype=torch.float32)
         ret = torch.as_tensor([v for s in samples for v in s.returns], dtype=torch.float32)
         step = self.learner.step_features(features, old.to(features.device), ret.to(features.device))
         return step
 
-    def _state_bytes(self, ids: list[str]) -> bytes:
+    def _state_bytes(self, ids: list[str], record: dict[str, Any]) -> bytes:
+        """The committed state: the head, Adam, the version, the ids of the remembered steps, and this step's
+        record (a critic killed between its commit and its record writes it on restart)."""
         buf = io.BytesIO()
         torch.save({**self.learner.state_dict(), "version": self.version + 1,
-                    "trained": [*self.trained, ids]}, buf)
+                    "trained": [*self.trained, ids], "record": json.dumps(record)}, buf)
         return buf.getvalue()
 
     async def _step(self) -> None:
@@ -265,8 +294,11 @@ class CriticService(Service):
                     await msg.ack()
             self.pending, self.held = [], []
             return
-        state = await self._torch(self._state_bytes, ids)
         version = self.version + 1
+        fields = {"version": version, "samples": len(ids), "value_loss": result.value_loss,
+                  "explained_variance": result.explained_variance, "critic_grad_norm": result.grad_norm,
+                  "step_seconds": round(time.perf_counter() - t0, 6), "sample_ids": ids}
+        state = await self._torch(self._state_bytes, ids, fields)
         try:
             committed = await self._commit(version, state)
         except Fenced as exc:
@@ -278,9 +310,6 @@ class CriticService(Service):
             return  # stopping before the commit: the messages come back to the next critic
         self.version, self.last = version, result
         self.trained.append(ids)
-        fields = {"version": version, "samples": len(ids), "value_loss": result.value_loss,
-                  "explained_variance": result.explained_variance, "critic_grad_norm": result.grad_norm,
-                  "step_seconds": round(time.perf_counter() - t0, 6), "sample_ids": ids}
         if not await self.record(events.CRITIC_STEP, f"critic.{version}", **fields):
             return  # committed; the restarted critic acks the redelivered messages as trained
         await asyncio.gather(*(self._ack(m) for m in held))
@@ -347,4 +376,9 @@ class CriticService(Service):
         self.objects.append(point["object"])
         self.counters["restored"] += 1
         self.log.info("restored the committed critic", version=self.version)
+        # The committed step's record, again: the critic may have died between its commit and its record (the
+        # record id makes a second copy a duplicate the events stream drops).
+        if "record" in state:
+            fields = json.loads(state["record"])
+            await self.record(events.CRITIC_STEP, f"critic.{self.version}", **fields)
 
