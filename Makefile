@@ -67,8 +67,11 @@ test-deepspeed: venv-deepspeed
 demo: venv
 	$(BIN)/chorus up $(CONFIG)
 
+# The unit tests (one process each, no broker of their own) run on two workers; the rest, whose runs start many
+# processes, one at a time.
 test: venv
-	$(BIN)/pytest -q -p no:cacheprovider --durations 8
+	$(BIN)/pytest -q -p no:cacheprovider -n 2 tests/unit
+	$(BIN)/pytest -q -p no:cacheprovider --durations 8 --ignore=tests/unit
 
 # The tests that need ucxx (marked ucx; `make test` deselects them). They fail, not skip, without it.
 test-ucx: venv-ucx
