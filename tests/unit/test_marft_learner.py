@@ -8,10 +8,12 @@ import numpy as np
 import pytest
 import torch
 
+from services.critic.learner import CriticLearner
 from services.trainer.learner import Learner
 from shared.kernel.config import ChorusConfig, load_config
 from shared.kernel.schemas import Array, Sample
-from shared.models.loading import adapter_of_tensor
+from shared.models.critic import CentralCritic
+from shared.models.loading import adapter_of_tensor, load_base
 from shared.models.tokenizer import BOS_ID, EOS_ID
 
 AGENTS = ("reasoner", "actor")
@@ -107,8 +109,9 @@ def test_interval_zero_steps_every_agent_together(tmp_path):
     assert changed(before["rea"], after["rea"]) and changed(before["act"], after["act"])
 
 
-def test_a_step_above_the_kl_target_is_cut_and_the_version_moves_on(tmp_path):
-    learner = Learner(marft_cfg(tmp_path, interval=0, kl_target=0.01), "m")
+def test_a_step_above_the_kl_target_is_cut_the_version_moves_on_and_the_critic_still_steps(tmp_path):
+    learner_cfg = marft_cfg(tmp_path, interval=0, kl_target=0.01)
+    learner = Learner(learner_cfg, "m")
     # behaviour log-probs 0.5 nats above the policy's: log rho = -0.5, k3 = e^-0.5 - 1 + 0.5 = 0.107 per token
     before = adapters(learner)
     samples = batch(learner, off=0.5)
@@ -122,6 +125,13 @@ def test_a_step_above_the_kl_target_is_cut_and_the_version_moves_on(tmp_path):
     after = adapters(learner)
     assert not changed(before["rea"], after["rea"]) and not changed(before["act"], after["act"])
     assert all(p.grad is None for p in learner.trainable)
+    # the critic (its own service, its own learner) takes its step on the same observations all the same
+    critic = CriticLearner(CentralCritic(load_base(learner_cfg, "m"), head_sizes=(16,)), lr=1e-2)
+    head = {k: t.clone() for k, t in critic.critic.head_state().items()}
+    rows = [(s.prompt_ids.numpy().tolist(), [len(s.prompt_ids.numpy()) - 1]) for s in samples]
+    features = critic.row_features(rows, pad_id=0)
+    step = critic.step_features(features, critic.values_of(features), torch.ones(len(samples)))
+    assert step.value_loss > 0 and any(not torch.equal(head[k], t) for k, t in critic.critic.head_state().items())
     # on-policy samples (KL 0) at the next version are trained
     samples = batch(learner)
     learner.micro_batch(samples, list(range(len(samples))), "grpo")
