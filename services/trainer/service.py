@@ -31,11 +31,13 @@ from nats.js.errors import NotFoundError
 from services.trainer.commits import CommitPointError, Commits, Fenced
 from services.trainer.intake import SeenIds, StepBook, filter_samples
 from services.trainer.learner import Learner, StepResult, adapter_problem
+from services.trainer.pool import PooledLearner, TrainingPool
 from services.trainer.state import Committed, RecentSteps, pack_state, steps_remembered, unpack_state
 from services.trainer.zero import TrainerGroup, make_learner
 from shared.kernel import events
 from shared.kernel.bus import fetch, kv_put_int_max, pull_consumer, stream_seq
 from shared.kernel.codec import DecodeError, decode, encode
+from shared.kernel.config import ConfigError
 from shared.kernel.logs import append_line
 from shared.kernel.schemas import DropEvent, MicroBatch, Sample, StepRecord, WeightsAnnounce
 from shared.kernel.service import Service
@@ -64,9 +66,13 @@ class TrainerService(Service):
     name = "trainer"
     per_model = True
     trackers: Trackers | None = None  # logging.backends, opened at the first step
+    pool: TrainingPool | None = None  # train.pool: the training pool this trainer is a tenant of (its learner's slots)
 
     async def setup(self) -> None:
         assert self.model is not None
+        if self.cfg.train.pool.slots and self.pool is None:
+            raise ConfigError(f"train.pool.slots is {self.cfg.train.pool.slots}: every model trains in one training "
+                              "pool, served by `chorus serve trainer` without --model")
         # First: a device this machine lacks is a config error (models.<m>.device), before anything is started.
         self.device = resolve_device(self.cfg, self.model)
         self.log.info("device", device=str(self.device), dtype=self.cfg.models[self.model].dtype)
@@ -95,12 +101,16 @@ class TrainerService(Service):
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"trainer-{self.model}",
                                         initializer=_init_worker, initargs=(self.train.threads,))
         # the torch learner, or rank 0 of a DeepSpeed trainer group (models.<m>.trainer.backend)
-        self.learner: Learner = await self._torch(make_learner, self.cfg, self.model, self.train.threads)
+        if self.pool is not None:
+            self.learner: Learner = await self._torch(PooledLearner, self.pool, self.model)  # type: ignore[arg-type]
+        else:
+            self.learner = await self._torch(make_learner, self.cfg, self.model, self.train.threads)
         if isinstance(self.learner, TrainerGroup):
             self.log.info("trainer group", backend="deepspeed", ranks=self.learner.world,
                           zero_stage=self.learner.stage)
             self.spawn(self._group_watch(), "group-watch")
         await self._restore()
+        await self._release(False)
         # A new consumer delivers at once what the last one held unacked (a dead trainer's micro-batches would
         # otherwise wait out the ack wait).
         with contextlib.suppress(NotFoundError):
@@ -127,7 +137,7 @@ class TrainerService(Service):
         # A late status reply to the last fetch would sit unread in the pull subscription and stall drain().
         await self.release(getattr(self, "sub", None))
         await self.nc.flush(timeout=5)
-        if isinstance(getattr(self, "learner", None), TrainerGroup):
+        if isinstance(getattr(self, "learner", None), TrainerGroup | PooledLearner):
             await self._torch(self.learner.close)  # type: ignore[attr-defined]
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self.trackers is not None:
@@ -198,6 +208,7 @@ class TrainerService(Service):
             while self.queue and not self.stopping:
                 await self._handle(self.queue[0])
                 self.queue.pop(0)
+                await self._release(bool(self.queue))
 
     async def _group_watch(self) -> None:
         """A DeepSpeed group lives and dies whole: a rank that exits stops this service (its ranks go with it), and
@@ -503,6 +514,12 @@ class TrainerService(Service):
             self.counters["weights_published"] += 1
 
     # --- helpers --------------------------------------------------------------------------
+    async def _release(self, more: bool) -> None:
+        """In a training pool: the micro-batch is trained; the slot goes back unless ``more`` are ready here (and no
+        other model waits for it)."""
+        if isinstance(self.learner, PooledLearner):
+            await self._torch(self.learner.release, more)
+
     async def _torch(self, fn: Callable[..., T], *args: Any) -> T:
         """Run torch work on the single trainer thread, never on the event loop."""
         loop = asyncio.get_running_loop()

@@ -511,6 +511,20 @@ class MarftSection(Section):
     critic: CriticSection = Field(default_factory=CriticSection)
 
 
+class PoolSection(Section):
+    """FlexMARL's training pool (docs/training-pool.md): with ``slots`` > 0 every model's trainer is a tenant of
+    ``slots`` slots (each ``cores`` cores and a worker process), holding one only while it trains, its state swapped
+    to host memory in between; 0 keeps one trainer process per model, holding its cores the whole run."""
+
+    slots: int = Field(default=0, ge=0)
+    cores: int | None = Field(default=None, ge=1)  # cores per slot; None: an equal share of this machine's
+    # warm: slot processes stay between tenants and only the state moves; destroy: a slot's process ends when its
+    # model releases it (suspend-to-destroy) and the next tenant starts a fresh one
+    mode: Literal["warm", "destroy"] = "warm"
+    budget_mb: float = Field(default=2048, ge=0)  # host memory for swapped states; beyond it they spill to <run>/pool
+    attempts: int = Field(default=3, ge=1)  # a call whose slot process dies runs again on a fresh one, this often
+
+
 class TrainConfig(Objective):
     max_versions: int = Field(default=50, ge=1)
     global_batch: int = Field(default=64, ge=1)  # samples per optimizer step
@@ -535,6 +549,7 @@ class TrainConfig(Objective):
     checkpoint_every: int = Field(default=25, ge=0)
     threads: int = Field(default=1, ge=1)
     ack_wait_s: float = 60.0
+    pool: PoolSection = Field(default_factory=PoolSection)
 
     @model_validator(mode="after")
     def _on_policy_modes(self) -> TrainConfig:
@@ -689,6 +704,12 @@ class ChorusConfig(BaseSettings):
                 f"workflow.group_size ({self.workflow.group_size}): groups are never split"
             )
         self._marft_checks()
+        if self.train.pool.slots:
+            ds = sorted(m for m, c in self.models.items() if c.trainer.backend == "deepspeed")
+            if ds:
+                raise ValueError(f"train.pool.slots: models.{ds[0]}.trainer.backend is deepspeed; a DeepSpeed group "
+                                 "in the training pool (its ranks gang-scheduled on as many slots) is not built yet: "
+                                 "set backend: torch, or train.pool.slots: 0")
         if self.paramsync.chunk_kb * 1024 > self.nats.max_payload_mb * 1024 * 1024:
             raise ValueError(f"paramsync.chunk_kb ({self.paramsync.chunk_kb}) must fit in one NATS message "
                              f"(nats.max_payload_mb {self.nats.max_payload_mb})")

@@ -69,13 +69,18 @@ class ChildSpec:
 
 
 def plan_services(cfg: ChorusConfig) -> list[ChildSpec]:
-    """Start order: actions; per model mq, trainer, rollouters, paramsync; the pool of rollouters (``rollouter.pool``,
+    """Start order: actions; the training pool (train.pool.slots); per model mq, trainer (without a pool), rollouters,
+    paramsync; the pool of rollouters (``rollouter.pool``,
     named pool<i>, started on :func:`pool_model`, moved by the rollout manager); MARFT's critic (train.loss
     marft); the coordinator last."""
     plan = [ChildSpec("actions")]
+    pooled = cfg.train.pool.slots > 0  # one training pool runs every model's trainer
+    if pooled:
+        plan.append(ChildSpec("trainer"))
     for model, mcfg in cfg.models.items():
         plan.append(ChildSpec("mq", model))
-        plan.append(ChildSpec("trainer", model))
+        if not pooled:
+            plan.append(ChildSpec("trainer", model))
         plan += [ChildSpec("rollouter", model, str(i)) for i in range(mcfg.rollouter.instances)]
         plan.append(ChildSpec("paramsync", model))
     plan += [ChildSpec("rollouter", pool_model(cfg), f"pool{i}") for i in range(cfg.rollouter.pool)]

@@ -1,0 +1,559 @@
+"""FlexMARL's agent-centric training pool (§6): the models' trainers are tenants of ``train.pool.slots`` slots, each
+a set of cores with a worker process; a model holds a slot only while it trains.
+
+- :class:`SlotScheduler` is the policy, with no I/O (tested on a fake clock): a model asks for a slot when a
+  micro-batch of it is ready and gets one at once if any is free (the one it last used when that one is free), else
+  it waits, first come first served; no slot is idle while a model waits. After a micro-batch the model releases
+  its slot, unless more of its micro-batches are ready and no other model waits (then it keeps it, and its state
+  stays in place).
+- :class:`StateStore` is the host-memory side of Set/Get (§6.2, §7): each model's swapped state is one file-backed
+  buffer, in host memory (``/dev/shm``) within ``train.pool.budget_mb``, beyond it in the run directory (a spill to
+  disk: our addition), written and read in place by the slot processes. Two buffers per model alternate, so a slot
+  that dies in the middle of a Set leaves the last complete state intact.
+- :class:`TrainingPool` runs it: slot worker processes (:mod:`services.trainer.slot`) pinned to their cores, the
+  scheduler behind a lock, and a call interface: every learner call of a model runs in the slot it holds, Gets the
+  model's state if the slot does not hold it, and Sets it back after every call that changes it, so that a slot
+  killed mid-micro-batch loses nothing: the call runs again on a fresh slot from the state before it.
+  ``train.pool.mode`` warm keeps the worker processes alive between tenants (only the state moves); destroy ends a
+  slot's process whenever its model releases it (suspend-to-destroy: the next tenant starts a fresh one).
+- :class:`PooledLearner` has the torch learner's surface (what :class:`~services.trainer.service.TrainerService`
+  calls), each call forwarded to the model's slot.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, Pipe
+from pathlib import Path
+from typing import Any
+
+from shared.kernel.config import ChorusConfig
+
+PR_SET_PDEATHSIG = 1
+
+
+# --- the policy ---------------------------------------------------------------------------------------------------
+@dataclass
+class SlotInfo:
+    index: int
+    holder: str | None = None
+    last: str | None = None  # the model that last held it (whose state may still be in place)
+    since: float = 0.0  # when the holder got it
+    busy_s: float = 0.0  # seconds held, finished grants
+    grants: int = 0
+    released_at: float = 0.0
+
+
+class SlotScheduler:
+    """Which model holds which slot. Not thread-safe: :class:`TrainingPool` calls it under its lock."""
+
+    def __init__(self, slots: int, clock: Callable[[], float] = time.monotonic) -> None:
+        if slots < 1:
+            raise ValueError(f"a training pool needs at least one slot, got {slots}")
+        self.clock = clock
+        self.slots = [SlotInfo(i) for i in range(slots)]
+        self.waiting: deque[str] = deque()
+        self.started = clock()
+        self.last_slot: dict[str, int] = {}
+        self.kept = 0  # releases in which the model kept its slot (more ready, nobody waiting)
+        self.moved = 0  # grants to a slot other than the model's last one
+
+    def holding(self, model: str) -> int | None:
+        for s in self.slots:
+            if s.holder == model:
+                return s.index
+        return None
+
+    def want(self, model: str) -> int | None:
+        """``model`` has a micro-batch ready: the slot it holds (kept or granted now), or None when it waits."""
+        held = self.holding(model)
+        if held is not None:
+            return held
+        if model in self.waiting:
+            return None
+        free = [s for s in self.slots if s.holder is None]
+        if not free or self.waiting:  # first come, first served: nobody overtakes a waiting model
+            self.waiting.append(model)
+            return None
+        return self._grant(model, self._choose(model, free))
+
+    def release(self, model: str, more: bool = False) -> list[tuple[str, int]]:
+        """``model`` has trained a micro-batch. It keeps its slot when ``more`` of its micro-batches are ready and no
+        other model waits; else the slot goes to the first waiting model, and ``model`` (with ``more``) waits
+        again at the back. Returns the grants made."""
+        index = self.holding(model)
+        if index is None:
+            return []
+        if more and not self.waiting:
+            self.kept += 1
+            return []
+        slot = self.slots[index]
+        now = self.clock()
+        slot.busy_s += now - slot.since
+        slot.holder, slot.last, slot.released_at = None, model, now
+        grants: list[tuple[str, int]] = []
+        if self.waiting:
+            nxt = self.waiting.popleft()
+            grants.append((nxt, self._grant(nxt, slot)))
+        if more:
+            granted = self.want(model)
+            if granted is not None:
+                grants.append((model, granted))
+        return grants
+
+    def leave(self, model: str) -> list[tuple[str, int]]:
+        """``model`` is gone (its trainer stopped): out of the queue, and its slot released."""
+        with contextlib.suppress(ValueError):
+            self.waiting.remove(model)
+        return self.release(model)
+
+    def busy_seconds(self, now: float | None = None) -> list[float]:
+        now = self.clock() if now is None else now
+        return [s.busy_s + (now - s.since if s.holder is not None else 0.0) for s in self.slots]
+
+    def utilisation(self, now: float | None = None) -> float:
+        """Held slot-seconds over slot-seconds since the pool started."""
+        now = self.clock() if now is None else now
+        span = (now - self.started) * len(self.slots)
+        return sum(self.busy_seconds(now)) / span if span > 0 else 0.0
+
+    def _choose(self, model: str, free: list[SlotInfo]) -> SlotInfo:
+        """The model's last slot when free (its state may still be there), else a free slot nobody's state is in,
+        else the one released longest ago."""
+        last = self.last_slot.get(model)
+        for s in free:
+            if s.index == last:
+                return s
+        fresh = [s for s in free if s.last is None]
+        return fresh[0] if fresh else min(free, key=lambda s: s.released_at)
+
+    def _grant(self, model: str, slot: SlotInfo) -> int:
+        if self.last_slot.get(model) not in (None, slot.index):
+            self.moved += 1
+        slot.holder, slot.since = model, self.clock()
+        slot.grants += 1
+        self.last_slot[model] = slot.index
+        return slot.index
+
+
+# --- host memory: the swapped states ------------------------------------------------------------------------------
+@dataclass
+class StoredState:
+    path: Path
+    nbytes: int
+    meta: bytes  # the learner's SwapMeta, pickled
+    header: bytes  # the buffer's WeightsHeader, packed
+    resident: bool  # in host memory (False: spilled to the run directory)
+    version: int = 0
+    generation: int = 0
+
+
+class StateStore:
+    """Where each model's swapped state lives between tenancies (host memory within a byte budget, else the run
+    directory). Two files per model alternate: the one being written is never the one the store points at."""
+
+    def __init__(self, budget_bytes: int, spill_dir: Path, tag: str) -> None:
+        self.budget = budget_bytes
+        shm = Path("/dev/shm")
+        self.memory_dir = Path(tempfile.mkdtemp(prefix=f"chorus-pool-{tag}-",
+                                                dir=shm if shm.is_dir() and os.access(shm, os.W_OK) else None))
+        self.spill_dir = spill_dir
+        self.states: dict[str, StoredState] = {}
+        self.bytes_set = 0
+        self.bytes_got = 0
+
+    def resident_bytes(self) -> int:
+        return sum(s.nbytes for s in self.states.values() if s.resident)
+
+    def spilled_bytes(self) -> int:
+        return sum(s.nbytes for s in self.states.values() if not s.resident)
+
+    def target(self, model: str, nbytes: int) -> tuple[Path, bool]:
+        """Where the next Set of ``model`` (about ``nbytes``) goes: the file the store does not point at, in host
+        memory if the budget allows."""
+        cur = self.states.get(model)
+        others = self.resident_bytes() - (cur.nbytes if cur is not None and cur.resident else 0)
+        resident = others + nbytes <= self.budget
+        generation = (cur.generation + 1) if cur is not None else 0
+        where = self.memory_dir if resident else self.spill_dir
+        where.mkdir(parents=True, exist_ok=True)
+        return where / f"{model}.{generation % 2}.state", resident
+
+    def commit(self, model: str, path: Path, nbytes: int, header: bytes, meta: bytes, resident: bool,
+               version: int) -> None:
+        """The Set into ``path`` completed: the store points at it (and drops the other place's file)."""
+        cur = self.states.get(model)
+        generation = (cur.generation + 1) if cur is not None else 0
+        if cur is not None and cur.path.parent != path.parent:
+            with contextlib.suppress(OSError):
+                cur.path.unlink()
+        self.states[model] = StoredState(path, nbytes, meta, header, resident, version, generation)
+        self.bytes_set += nbytes
+
+    def get(self, model: str) -> StoredState | None:
+        return self.states.get(model)
+
+    def close(self) -> None:
+        import shutil
+
+        shutil.rmtree(self.memory_dir, ignore_errors=True)
+
+
+# --- the slot workers ---------------------------------------------------------------------------------------------
+class SlotLost(RuntimeError):
+    """The slot's worker process exited in the middle of a call."""
+
+
+def machine_cores() -> list[int]:
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return list(range(os.cpu_count() or 1))
+
+
+def slot_cores(slots: int, per_slot: int | None, cores: list[int] | None = None) -> list[list[int]]:
+    """Each slot's cores: ``per_slot`` of this process's cores each (default: an equal share, at least one),
+    consecutive, wrapping around when the slots ask for more cores than there are."""
+    cores = cores or machine_cores()
+    k = per_slot or max(1, len(cores) // slots)
+    return [[cores[(i * k + j) % len(cores)] for j in range(k)] for i in range(slots)]
+
+
+class SlotWorker:
+    """One slot's worker process and the pipe to it (the calls are serial: one tenant at a time)."""
+
+    def __init__(self, index: int, cores: list[int], spec: Path, device_cores: bool = True) -> None:
+        self.index, self.cores, self.spec = index, cores, spec
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.conn: Connection | None = None
+        self.models: set[str] = set()  # learners built in this process
+        self.resident: str | None = None  # whose state is in place, the same as the store's copy
+        self.starts = 0
+        self.pin = device_cores
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.alive() and self.proc is not None else None
+
+    def start(self) -> float:
+        """A fresh process (the control cost of a swap); returns the seconds it took to answer."""
+        t0 = time.perf_counter()
+        ours, theirs = Pipe(duplex=True)
+        env = {**os.environ, "OMP_NUM_THREADS": str(len(self.cores))}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "services.trainer.slot", str(theirs.fileno()), str(self.spec), str(self.index),
+             ",".join(map(str, self.cores)) if self.pin else ""],
+            pass_fds=(theirs.fileno(),), env=env, preexec_fn=_die_with_parent)
+        theirs.close()
+        self.conn = ours
+        self.models, self.resident = set(), None
+        self.starts += 1
+        reply = self._recv()
+        if reply[0] != "ready":
+            raise SlotLost(f"slot {self.index}: the worker answered {reply[0]!r} instead of ready")
+        return time.perf_counter() - t0
+
+    def request(self, msg: tuple[Any, ...]) -> tuple[Any, ...]:
+        if self.conn is None or not self.alive():
+            raise SlotLost(f"slot {self.index}: no worker process")
+        try:
+            self.conn.send(msg)
+        except (BrokenPipeError, ConnectionResetError, OSError) as exc:
+            raise SlotLost(f"slot {self.index}: the worker is gone ({type(exc).__name__})") from exc
+        return self._recv()
+
+    def _recv(self) -> tuple[Any, ...]:
+        assert self.conn is not None
+        try:
+            reply = self.conn.recv()
+        except (EOFError, ConnectionResetError, OSError) as exc:
+            code = self.proc.wait(timeout=10) if self.proc is not None else None
+            raise SlotLost(f"slot {self.index}: the worker process exited (code {code})") from exc
+        if not isinstance(reply, tuple):
+            raise SlotLost(f"slot {self.index}: the worker answered {type(reply).__name__}")
+        return reply
+
+    def stop(self) -> None:
+        """Ask the process to exit (killed after 10 s)."""
+        if self.conn is not None:
+            with contextlib.suppress(Exception):
+                self.conn.send(("exit",))
+        if self.proc is not None:
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.conn is not None:
+            with contextlib.suppress(Exception):
+                self.conn.close()
+        self.proc, self.conn, self.models, self.resident = None, None, set(), None
+
+
+def _die_with_parent() -> None:
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+@dataclass
+class SwapTimes:
+    control_s: float = 0.0  # process starts and learner builds
+    get_s: float = 0.0  # state copied into a slot (data)
+    set_s: float = 0.0  # state copied out of a slot (data)
+    gets: int = 0
+    sets: int = 0
+    starts: int = 0
+    builds: int = 0
+    lost: int = 0  # calls whose slot died under them (run again)
+
+    @property
+    def data_s(self) -> float:
+        return self.get_s + self.set_s
+
+
+@dataclass
+class CallResult:
+    value: Any
+    version: int
+    accumulated: int
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class TrainingPool:
+    """The slots, their workers and the state store, for every model of a run (thread-safe: each model's trainer
+    calls from its own worker thread)."""
+
+    def __init__(self, cfg: ChorusConfig, *, slots: int | None = None, mode: str | None = None,
+                 cores: list[list[int]] | None = None, budget_bytes: int | None = None,
+                 clock: Callable[[], float] = time.monotonic, log: Any = None) -> None:
+        pc = cfg.train.pool
+        n = slots or pc.slots
+        self.cfg = cfg
+        self.mode = mode or pc.mode
+        self.attempts = pc.attempts
+        self.log = log
+        self.sched = SlotScheduler(n, clock)
+        self.lock = threading.Condition()
+        self.pool_dir = cfg.run_dir / "pool"
+        self.pool_dir.mkdir(parents=True, exist_ok=True)
+        tag = f"{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.spec = self.pool_dir / f"config-{tag}.json"
+        self.spec.write_text(json.dumps(cfg.model_dump(mode="json")))
+        self.store = StateStore(int(pc.budget_mb * 2**20) if budget_bytes is None else budget_bytes,
+                                self.pool_dir / "spill", tag)
+        layout = cores or slot_cores(n, pc.cores)
+        self.workers = [SlotWorker(i, layout[i], self.spec) for i in range(n)]
+        self.times = SwapTimes()
+        self.closed = False
+
+    # --- tenancy ----------------------------------------------------------------------------------------------
+    def acquire(self, model: str) -> int:
+        """Block until ``model`` holds a slot; returns it."""
+        with self.lock:
+            slot = self.sched.want(model)
+            while slot is None:
+                if self.closed:
+                    raise SlotLost("the training pool is closing")
+                self.lock.wait(timeout=1.0)
+                slot = self.sched.holding(model)
+            return slot
+
+    def release(self, model: str, more: bool = False) -> None:
+        with self.lock:
+            index = self.sched.holding(model)
+            self.sched.release(model, more)
+            freed = index is not None and self.sched.slots[index].holder is None
+            self.lock.notify_all()
+        if freed and self.mode == "destroy" and index is not None:
+            worker = self.workers[index]
+            with self.lock:
+                still_free = self.sched.slots[index].holder is None
+            if still_free:
+                worker.stop()  # suspend-to-destroy: the process ends, its cores go back
+
+    def leave(self, model: str) -> None:
+        with self.lock:
+            self.sched.leave(model)
+            self.lock.notify_all()
+
+    # --- calls ------------------------------------------------------------------------------------------------
+    def call(self, model: str, method: str, *args: Any, mutates: bool = True) -> CallResult:
+        """``method(*args)`` on ``model``'s learner, in the slot it holds (acquired first if it holds none), with its
+        state brought in and, when ``mutates``, set back after. A slot that dies under the call is started afresh
+        and the call runs again from the stored state (``train.pool.attempts`` times)."""
+        with self.lock:
+            index = self.sched.holding(model)
+        if index is None:
+            index = self.acquire(model)
+        worker = self.workers[index]
+        for attempt in range(1, self.attempts + 1):
+            try:
+                return self._run(worker, model, method, args, mutates)
+            except SlotLost as exc:
+                self.times.lost += 1
+                if self.log is not None:
+                    self.log.warning("a slot worker died during a call; running it again on a fresh process",
+                                     slot=index, model=model, call=method, attempt=attempt, error=str(exc))
+                worker.stop()
+                if attempt == self.attempts:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _run(self, worker: SlotWorker, model: str, method: str, args: tuple[Any, ...], mutates: bool) -> CallResult:
+        if not worker.alive():
+            took = worker.start()
+            self.times.control_s += took
+            self.times.starts += 1
+        stored = self.store.get(model)
+        get = None
+        if worker.resident != model and stored is not None:
+            get = (str(stored.path), stored.nbytes, stored.header, stored.meta)
+        put = None
+        if mutates:
+            path, resident = self.store.target(model, stored.nbytes if stored is not None else 0)
+            put = (str(path), resident)
+        was = worker.resident
+        worker.resident = None  # until the reply: a failed call leaves nothing trusted in place
+        reply = worker.request(("call", model, get, method, pickle.dumps(args, protocol=pickle.HIGHEST_PROTOCOL),
+                                put))
+        if reply[0] == "error":
+            _, kind, text, info = reply
+            self._account(info)
+            raise _rebuild(kind, text)  # the next call starts from the stored state, as before this one
+        _, value, info = reply
+        self._account(info)
+        worker.models.add(model)
+        if put is not None:
+            nbytes, header, meta, version = info["set"]
+            self.store.commit(model, Path(put[0]), nbytes, header, meta, put[1], version)
+            for other in self.workers:  # a copy of the older state in another slot is not to be used again
+                if other is not worker and other.resident == model:
+                    other.resident = None
+            worker.resident = model
+        elif get is not None or was == model:
+            worker.resident = model  # a call that changes nothing: the state in place is still the stored one
+        return CallResult(pickle.loads(value), info["version"], info["accumulated"], info)
+
+    def _account(self, info: dict[str, Any]) -> None:
+        t = self.times
+        t.control_s += info.get("build_s", 0.0)
+        t.builds += int(info.get("build_s", 0.0) > 0)
+        if "get_s" in info:
+            t.get_s += info["get_s"]
+            t.gets += 1
+            self.store.bytes_got += int(info.get("get_bytes", 0))
+        if "set_s" in info:
+            t.set_s += info["set_s"]
+            t.sets += 1
+
+    # --- visibility -------------------------------------------------------------------------------------------
+    def snapshot(self) -> dict[str, Any]:
+        with self.lock:
+            busy = self.sched.busy_seconds()
+            slots = [{"slot": s.index, "holder": s.holder, "last": s.last, "busy_s": round(busy[s.index], 3),
+                      "grants": s.grants, "cores": self.workers[s.index].cores, "pid": self.workers[s.index].pid,
+                      "starts": self.workers[s.index].starts} for s in self.sched.slots]
+            waiting = list(self.sched.waiting)
+            util = self.sched.utilisation()
+            kept, moved = self.sched.kept, self.sched.moved
+        t = self.times
+        return {"mode": self.mode, "slots": slots, "waiting": waiting, "utilisation": round(util, 4),
+                "kept": kept, "moved": moved,
+                "swap": {"control_s": round(t.control_s, 3), "data_s": round(t.data_s, 3), "get_s": round(t.get_s, 3),
+                         "set_s": round(t.set_s, 3), "gets": t.gets, "sets": t.sets, "starts": t.starts,
+                         "builds": t.builds, "lost": t.lost, "bytes_set": self.store.bytes_set,
+                         "bytes_got": self.store.bytes_got},
+                "resident_bytes": self.store.resident_bytes(), "spilled_bytes": self.store.spilled_bytes()}
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed = True
+            self.lock.notify_all()
+        for w in self.workers:
+            w.stop()
+        self.store.close()
+        with contextlib.suppress(OSError):
+            self.spec.unlink()
+
+
+_ERRORS: dict[str, type[Exception]] = {"ValueError": ValueError, "RuntimeError": RuntimeError,
+                                      "IndexError": IndexError, "KeyError": KeyError, "TypeError": TypeError}
+
+
+def _rebuild(kind: str, text: str) -> Exception:
+    """The slot's exception as the same type here (the trainer service tells learner errors by type)."""
+    return _ERRORS.get(kind, RuntimeError)(text)
+
+
+# --- the learner's surface ----------------------------------------------------------------------------------------
+class PooledLearner:
+    """A model's learner in the pool: what the trainer service calls, each call run in the model's slot."""
+
+    def __init__(self, pool: TrainingPool, model: str) -> None:
+        self.pool, self.model_name = pool, model
+        self.global_batch = pool.cfg.train.global_batch
+        info = self._call("describe", mutates=True).value  # builds the learner and stores its first state
+        self.vocab_size: int = info["vocab_size"]
+        self.context: int | None = info["context"]
+        self.adapters: list[str] | None = info["adapters"]
+        self.pool.release(model)
+
+    version = 0
+    accumulated = 0
+
+    def _call(self, method: str, *args: Any, mutates: bool = True) -> CallResult:
+        r = self.pool.call(self.model_name, method, *args, mutates=mutates)
+        self.version, self.accumulated = r.version, r.accumulated
+        return r
+
+    def release(self, more: bool = False) -> None:
+        self.pool.release(self.model_name, more)
+
+    def ready(self) -> bool:
+        return self.accumulated >= self.global_batch
+
+    def micro_batch(self, samples: Any, keep_idx: Any, estimator: str) -> float:
+        return float(self._call("micro_batch", list(samples), list(keep_idx), estimator).value)
+
+    def step(self) -> Any:
+        if not self.ready():
+            return None
+        return self._call("step").value
+
+    def named_tensors(self) -> Any:
+        return self._call("named_tensors", mutates=False).value
+
+    def optimizer_state(self) -> Any:
+        return self._call("optimizer_state", mutates=False).value
+
+    def state_dict(self) -> Any:
+        return self._call("state_dict", mutates=False).value
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._call("load_state_dict", state)
+
+    def save_checkpoint(self, directory: Path) -> Path:
+        return Path(self._call("save_checkpoint", directory, mutates=False).value)
+
+    def restore_latest(self, directory: Path) -> Path | None:
+        return self._call("restore_latest", directory).value  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        self.pool.leave(self.model_name)

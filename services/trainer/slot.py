@@ -1,0 +1,130 @@
+"""A training pool's slot worker (``python -m services.trainer.slot FD CONFIG INDEX CORES``): a process pinned to its
+slot's cores that builds the learners of the models it hosts and runs their calls, one at a time, for the pool
+(:mod:`services.trainer.pool`) over the pipe ``FD``.
+
+A call names the model, where its stored state is (Get: imported in place before the call, unless the slot already
+holds it) and where to write the state after the call (Set). States are file-backed buffers mapped here and in no
+other way: one copy in, one copy out (:mod:`services.trainer.swap`). Each learner keeps its frozen parts (a LoRA
+model's base) between tenancies; only the trainable state moves. The process dies with the pool.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import pickle
+import signal
+import sys
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+PR_SET_PDEATHSIG = 1
+
+
+class Maps:
+    """File-backed buffers, mapped once each (a state file only grows)."""
+
+    def __init__(self) -> None:
+        self.maps: dict[str, np.memmap] = {}
+
+    def get(self, path: str, nbytes: int, create: bool) -> np.memmap:
+        m = self.maps.get(path)
+        if m is not None and len(m) >= nbytes and os.path.exists(path) and os.path.getsize(path) >= len(m):
+            return m
+        size = max(nbytes, 1)
+        if create:
+            with open(path, "ab") as f:
+                if f.tell() < size:
+                    f.truncate(size)
+        size = max(size, os.path.getsize(path))
+        m = np.memmap(path, dtype=np.uint8, mode="r+", shape=(size,))
+        self.maps[path] = m
+        return m
+
+
+def serve(conn: Connection, spec: Path, index: int) -> int:
+    import torch
+
+    from services.trainer.learner import Learner
+    from services.trainer.swap import SwapMeta, export_state, import_state, state_bytes
+    from shared.kernel.config import ChorusConfig
+    from shared.models.weights import WeightsHeader
+
+    cfg = ChorusConfig(**json.loads(spec.read_text()))
+    learners: dict[str, Learner] = {}
+    maps = Maps()
+    conn.send(("ready", os.getpid(), torch.get_num_threads()))
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return 0
+        if msg[0] == "exit":
+            return 0
+        _, model, get, method, args, put = msg
+        info: dict[str, Any] = {}
+        try:
+            learner = learners.get(model)
+            if learner is None:
+                t0 = time.perf_counter()
+                learner = Learner(cfg, model)
+                learners[model] = learner
+                info["build_s"] = time.perf_counter() - t0
+            if get is not None:
+                path, nbytes, header, meta = get
+                t0 = time.perf_counter()
+                body = maps.get(path, nbytes, create=False)
+                import_state(learner, WeightsHeader.unpack(header), body[:nbytes], SwapMeta.unpack(meta))
+                info["get_s"] = time.perf_counter() - t0
+                info["get_bytes"] = nbytes
+            value = _dispatch(learner, method, pickle.loads(args))
+            if put is not None:
+                path, _resident = put
+                t0 = time.perf_counter()
+                out = maps.get(path, state_bytes(learner), create=True)
+                h, _, m = export_state(learner, out=out)
+                info["set"] = (h.nbytes, h.pack(), m.pack(), learner.version)
+                info["set_s"] = time.perf_counter() - t0
+            info.update(version=learner.version, accumulated=learner.accumulated)
+            conn.send(("ok", pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL), info))
+        except Exception as exc:  # the learner's error goes back to the trainer, which counts and drops
+            conn.send(("error", type(exc).__name__, str(exc), info))
+
+
+def _dispatch(learner: Any, method: str, args: tuple[Any, ...]) -> Any:
+    if method == "describe":
+        return {"vocab_size": learner.vocab_size, "context": learner.context, "adapters": learner.adapters}
+    if method not in {"micro_batch", "step", "named_tensors", "optimizer_state", "state_dict", "load_state_dict",
+                      "save_checkpoint", "restore_latest"}:
+        raise ValueError(f"a slot does not run {method!r}")
+    value = getattr(learner, method)(*args)
+    if method == "named_tensors":
+        return {k: t.detach().cpu().clone() for k, t in value.items()}
+    return value
+
+
+def main(argv: list[str]) -> int:
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    fd, spec, index, cores = int(argv[0]), Path(argv[1]), int(argv[2]), argv[3]
+    if os.getppid() == 1:
+        return 1  # the pool died before this slot could serve it
+    import torch
+
+    if cores:
+        wanted = {int(c) for c in cores.split(",")}
+        with contextlib.suppress(AttributeError, OSError):
+            os.sched_setaffinity(0, wanted)
+        torch.set_num_threads(len(wanted))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the pool stops its slots itself (Ctrl-C reaches the group)
+    return serve(Connection(fd), spec, index)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
