@@ -23,11 +23,9 @@ a set of cores with a worker process; a model holds a slot only while it trains.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import pickle
-import signal
 import subprocess
 import sys
 import tempfile
@@ -42,8 +40,6 @@ from pathlib import Path
 from typing import Any
 
 from shared.kernel.config import ChorusConfig
-
-PR_SET_PDEATHSIG = 1
 
 
 # --- the policy ---------------------------------------------------------------------------------------------------
@@ -244,6 +240,7 @@ class SlotWorker:
         self.resident: str | None = None  # whose state is in place, the same as the store's copy
         self.starts = 0
         self.pin = device_cores
+        self.calling: str | None = None  # the learner call in progress (what a fault test kills in the middle of)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -256,11 +253,11 @@ class SlotWorker:
         """A fresh process (the control cost of a swap); returns the seconds it took to answer."""
         t0 = time.perf_counter()
         ours, theirs = Pipe(duplex=True)
-        env = {**os.environ, "OMP_NUM_THREADS": str(len(self.cores))}
+        env = {**os.environ, "OMP_NUM_THREADS": str(len(self.cores)), "CHORUS_SLOT_PARENT": str(os.getpid())}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "services.trainer.slot", str(theirs.fileno()), str(self.spec), str(self.index),
              ",".join(map(str, self.cores)) if self.pin else ""],
-            pass_fds=(theirs.fileno(),), env=env, preexec_fn=_die_with_parent)
+            pass_fds=(theirs.fileno(),), env=env)
         theirs.close()
         self.conn = ours
         self.models, self.resident = set(), None
@@ -273,11 +270,14 @@ class SlotWorker:
     def request(self, msg: tuple[Any, ...]) -> tuple[Any, ...]:
         if self.conn is None or not self.alive():
             raise SlotLost(f"slot {self.index}: no worker process")
+        self.calling = str(msg[3]) if len(msg) > 3 else str(msg[0])
         try:
             self.conn.send(msg)
+            return self._recv()
         except (BrokenPipeError, ConnectionResetError, OSError) as exc:
             raise SlotLost(f"slot {self.index}: the worker is gone ({type(exc).__name__})") from exc
-        return self._recv()
+        finally:
+            self.calling = None
 
     def _recv(self) -> tuple[Any, ...]:
         assert self.conn is not None
@@ -305,11 +305,6 @@ class SlotWorker:
             with contextlib.suppress(Exception):
                 self.conn.close()
         self.proc, self.conn, self.models, self.resident = None, None, set(), None
-
-
-def _die_with_parent() -> None:
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 @dataclass
@@ -469,7 +464,7 @@ class TrainingPool:
             busy = self.sched.busy_seconds()
             slots = [{"slot": s.index, "holder": s.holder, "last": s.last, "busy_s": round(busy[s.index], 3),
                       "grants": s.grants, "cores": self.workers[s.index].cores, "pid": self.workers[s.index].pid,
-                      "starts": self.workers[s.index].starts} for s in self.sched.slots]
+                      "call": self.workers[s.index].calling, "starts": self.workers[s.index].starts} for s in self.sched.slots]
             waiting = list(self.sched.waiting)
             util = self.sched.utilisation()
             kept, moved = self.sched.kept, self.sched.moved

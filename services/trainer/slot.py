@@ -5,26 +5,24 @@ slot's cores that builds the learners of the models it hosts and runs their call
 A call names the model, where its stored state is (Get: imported in place before the call, unless the slot already
 holds it) and where to write the state after the call (Set). States are file-backed buffers mapped here and in no
 other way: one copy in, one copy out (:mod:`services.trainer.swap`). Each learner keeps its frozen parts (a LoRA
-model's base) between tenancies; only the trainable state moves. The process dies with the pool.
+model's base) between tenancies; only the trainable state moves. The process ends with the pool.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import pickle
 import signal
 import sys
+import threading
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-PR_SET_PDEATHSIG = 1
 
 
 class Maps:
@@ -109,12 +107,22 @@ def _dispatch(learner: Any, method: str, args: tuple[Any, ...]) -> Any:
     return value
 
 
+def _exit_with_pool(parent: int) -> None:
+    """The process ends when the pool's does (checked every half second, also in the middle of a call). Not
+    PR_SET_PDEATHSIG: that fires when the pool *thread* that started this process ends, and any of the pool's
+    threads may start a slot."""
+    while True:
+        time.sleep(0.5)
+        if os.getppid() != parent:
+            os._exit(1)
+
+
 def main(argv: list[str]) -> int:
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     fd, spec, index, cores = int(argv[0]), Path(argv[1]), int(argv[2]), argv[3]
-    if os.getppid() == 1:
+    parent = int(os.environ.get("CHORUS_SLOT_PARENT", "0")) or os.getppid()
+    if os.getppid() != parent:
         return 1  # the pool died before this slot could serve it
+    threading.Thread(target=_exit_with_pool, args=(parent,), daemon=True, name="exit-with-pool").start()
     import torch
 
     if cores:

@@ -38,11 +38,14 @@ class Cluster:
             argv = ["taskset", "-c", ",".join(map(str, pinned)), *argv]  # it execs the command too
         return self.sup.start(key, argv)
 
-    def start_all(self, models: list[str], *, rollouters: int = 1, critic: bool = False) -> None:
+    def start_all(self, models: list[str], *, rollouters: int = 1, critic: bool = False, pool: bool = False) -> None:
         self.start("actions")
+        if pool:  # train.pool.slots: one training pool runs every model's trainer
+            self.start("trainer")
         for m in models:
             self.start("mq", m)
-            self.start("trainer", m)
+            if not pool:
+                self.start("trainer", m)
             for i in range(rollouters):
                 self.start("rollouter", m, str(i))
             self.start("paramsync", m)

@@ -29,6 +29,8 @@ from tests.waits import WAIT_S
 MODELS = ["solver_lm", "verifier_lm"]
 MARFT_MODELS = ["reasoner_lm", "actor_lm"]  # configs/marft-tiny.yaml
 SERVICE_KINDS = ("coordinator", "actions", "mq", "trainer", "rollouter", "paramsync", "critic")
+SLOT = "slot"  # a training pool's slot worker (train.pool.slots), killed in the middle of a micro-batch
+POOL_MODELS = ["planner_lm", "solver_lm", "checker_lm", "answer_lm"]  # configs/pool-tiny.yaml
 PER_MODEL_KINDS = ("mq", "trainer", "rollouter", "paramsync")  # one process per model; the others serve all
 LAGGING = "(lagging)"  # a Fault's model: whichever is furthest from the end, so the fault lands mid-run
 
@@ -63,6 +65,22 @@ def fault_config(tmp_path: Path, run_id: str, *, max_versions: int, replicas: in
     cfg["train"].update({"max_versions": max_versions, "global_batch": 32, "micro_batch": 16,
                          "checkpoint_every": 0, "ack_wait_s": 10.0})
     cfg["paramsync"].update({"transport": transport, "pause_timeout_s": 5.0, "load_timeout_s": 10.0})
+    cfg["peers"] = {"probe_interval_s": 0.5, "probe_timeout_s": 1.0, "misses": 3, "accept_timeout_s": 3.0}
+    cfg["metrics_interval_s"] = 1.0
+    path = tmp_path / f"{run_id}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def pool_fault_config(tmp_path: Path, run_id: str, *, max_versions: int) -> Path:
+    """configs/pool-tiny.yaml (four models, a training pool of two slots) with the fault config's timeouts."""
+    cfg = yaml.safe_load((ROOT / "configs" / "pool-tiny.yaml").read_text())
+    cfg["run"] = {"id": run_id, "dir": str(tmp_path / "runs"), "seed": 0, "restart_delay_s": 1.0}
+    cfg.pop("nats", None)
+    for m in cfg["models"].values():
+        m["rollouter"]["request_timeout_s"] = 10.0
+    cfg["train"].update({"max_versions": max_versions, "checkpoint_every": 0, "ack_wait_s": 10.0})
+    cfg["paramsync"] = {"pause_timeout_s": 5.0, "load_timeout_s": 10.0}
     cfg["peers"] = {"probe_interval_s": 0.5, "probe_timeout_s": 1.0, "misses": 3, "accept_timeout_s": 3.0}
     cfg["metrics_interval_s"] = 1.0
     path = tmp_path / f"{run_id}.yaml"
@@ -153,11 +171,14 @@ class FaultRun:
     """Runs a config to ``max_versions`` through faults; :meth:`run` returns what happened and what broke."""
 
     def __init__(self, tmp_path: Path, run_id: str, broker: Broker, config: Path, *, max_versions: int,
-                 seed: int = 0, rollouters: int = 1, models: list[str] | None = None, critic: bool = False) -> None:
+                 seed: int = 0, rollouters: int = 1, models: list[str] | None = None, critic: bool = False,
+                 pool: bool = False) -> None:
         self.tmp_path, self.run_id, self.broker, self.config = tmp_path, run_id, broker, config
         self.models = list(models or MODELS)  # the config's models (tiny-chain's by default)
         self.critic = critic  # a MARFT run: its critic is started, and its samples accounted for
         self.critic_report: CriticReport | None = None
+        self.pool = pool  # train.pool.slots: one training pool process runs every model's trainer
+        self.pool_status: dict[str, Any] = {}  # its metrics snapshot once the run finished
         self.critic_status: dict[str, Any] = {}
         self.max_versions = max_versions
         self.rollouters = rollouters  # instances per model; a fault on the rollouter hits one with work in flight
@@ -192,7 +213,9 @@ class FaultRun:
 
     # --- faults ---------------------------------------------------------------------------
     async def _inject(self, fault: Fault) -> None:
-        if fault.target == "nats":
+        if fault.target == SLOT:
+            before = await self._kill_slot(fault)
+        elif fault.target == "nats":
             before = await self.ledger.trained()  # read while the node is up
             fault.landed_at = dict(before)
             self.log.append(f"{time.strftime('%H:%M:%S')} {fault.name} at {before}")
@@ -232,6 +255,31 @@ class FaultRun:
         fault.ended_at = time.time()
         # The next fault waits until every model still training committed a version past this one's.
         await self._until(lambda: self._moved(before), 180, f"training going on after {fault.name}")
+
+    async def _kill_slot(self, fault: Fault) -> dict[str, int]:
+        """SIGKILL a slot worker of the training pool while it runs a micro-batch: asked every few milliseconds which
+        slot is inside one, killed at once, and tried again until the pool counts a call lost under it (a kill that
+        lands between two calls proves less). Its pool restarts it and runs the call again."""
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            s = (await self.ledger.status("trainer")).get("pool", {})
+            busy = [x for x in s.get("slots", []) if x.get("call") == "micro_batch" and x.get("pid")]
+            if not busy:
+                await asyncio.sleep(0.005)
+                continue
+            lost = s["swap"]["lost"]
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(busy[0]["pid"], signal.SIGKILL)
+            before = await self.ledger.trained()
+            fault.landed_at = dict(before)
+            self.log.append(f"{time.strftime('%H:%M:%S')} {fault.name} (pid {busy[0]['pid']}, holding "
+                            f"{busy[0]['holder']}) at {before}")
+            for _ in range(100):
+                now = (await self.ledger.status("trainer")).get("pool", {}).get("swap", {}).get("lost", lost)
+                if now > lost:
+                    return before
+                await asyncio.sleep(0.05)
+        raise AssertionError("no slot worker was caught inside a micro-batch within 60 s\n" + "\n".join(self.log))
 
     async def _busy_instance(self, model: str, timeout_s: float = 30.0) -> str:
         """The first rollouter instance of ``model`` seen with requests in flight or queued (asked every 50 ms in
@@ -277,11 +325,11 @@ class FaultRun:
         t0 = time.monotonic()
         self.deadline = t0 + timeout_s
         await self.ledger.start()
-        self.cluster.start_all(self.models, rollouters=self.rollouters, critic=self.critic)
+        self.cluster.start_all(self.models, rollouters=self.rollouters, critic=self.critic, pool=self.pool)
         watcher = asyncio.create_task(self._watch_exits())
         try:
             for fault in faults:
-                if fault.target not in SERVICE_KINDS + ("nats",):
+                if fault.target not in SERVICE_KINDS + ("nats", SLOT):
                     raise ValueError(f"unknown fault target {fault.target!r}")
                 if fault.model == LAGGING:
                     await self._until(lambda v=fault.at_version: self._reached_all(v), timeout_s,
@@ -302,6 +350,8 @@ class FaultRun:
             self.coordinator_status = await self.ledger.status("coordinator")
             if self.critic:
                 self.critic_status = await self.ledger.status("critic")
+            if self.pool:
+                self.pool_status = await self.ledger.status("trainer")
             for fault in faults:
                 fault.recovered_s = self.ledger.loop_turned(fault.ended_at)
         finally:

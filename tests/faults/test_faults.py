@@ -17,18 +17,22 @@ from tests.faults.harness import (
     LAGGING,
     MARFT_MODELS,
     MODELS,
+    POOL_MODELS,
     SERVICE_KINDS,
+    SLOT,
     Broker,
     Fault,
     FaultRun,
     describe,
     fault_config,
     marft_fault_config,
+    pool_fault_config,
     table,
 )
 
 GAUNTLET_VERSIONS = 60
 MARFT_VERSIONS = 20
+POOL_VERSIONS = 25
 FREEZE_S = 20.0  # longer than every timeout of the fault config (requests 10 s, ack waits 10 and 15 s)
 
 
@@ -58,6 +62,28 @@ async def test_marfts_critic_killed_twice_mid_run_loses_nothing_and_trains_nothi
     assert fault_run.critic_status["version"] == len(critic.versions) > 0
     # its steps read the features its value requests computed (the frozen base runs once per observation)
     assert fault_run.critic_status["counters"].get("feature_rows_reused", 0) > 0, fault_run.critic_status
+    for r in outcome.reports.values():
+        assert r.trained > 0 and r.published > 0
+
+
+async def test_a_training_pool_slot_killed_mid_micro_batch_loses_nothing(tmp_path, run_id, fault_table):
+    # configs/pool-tiny.yaml: four models' trainers share two slots. A slot worker is SIGKILLed while it runs a
+    # micro-batch, twice: the pool starts a fresh worker and runs the call again from the model's stored state.
+    # Every model reaches max_versions, every sample is trained once or dropped with a reason.
+    broker = Broker.single(tmp_path / "nats")
+    try:
+        config = pool_fault_config(tmp_path, run_id, max_versions=POOL_VERSIONS)
+        fault_run = FaultRun(tmp_path, run_id, broker, config, max_versions=POOL_VERSIONS, models=POOL_MODELS,
+                             pool=True)
+        outcome = await fault_run.run([Fault(SLOT, "kill", 5), Fault(SLOT, "kill", 12)])
+    finally:
+        broker.stop()
+    fault_table.append(("a training pool's slot killed mid-micro-batch, twice", outcome))
+    print(table([("slot", outcome)]))
+    assert not outcome.problems, describe(outcome)
+    assert not outcome.unexpected_exits, describe(outcome)
+    swap = fault_run.pool_status["pool"]["swap"]
+    assert swap["lost"] >= 2 and swap["starts"] >= 4, fault_run.pool_status  # both calls ran again on fresh workers
     for r in outcome.reports.values():
         assert r.trained > 0 and r.published > 0
 
