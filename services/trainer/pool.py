@@ -12,8 +12,9 @@ a set of cores with a worker process; a model holds a slot only while it trains.
   that dies in the middle of a Set leaves the last complete state intact.
 - :class:`TrainingPool` runs it: slot worker processes (:mod:`services.trainer.slot`) pinned to their cores, the
   scheduler behind a lock, and a call interface: every learner call of a model runs in the slot it holds, Gets the
-  model's state if the slot does not hold it, and Sets it back after every call that changes it, so that a slot
-  killed mid-micro-batch loses nothing: the call runs again on a fresh slot from the state before it.
+  model's state if the slot does not hold it, and Sets it back when the model gives the slot up (or after
+  :data:`MAX_LOG` changing calls); the changing calls since the last Set are logged, so that a slot killed
+  mid-micro-batch loses nothing: a fresh slot Gets the stored state, runs the logged calls again, then the call.
   ``train.pool.mode`` warm keeps the worker processes alive between tenants (only the state moves); destroy ends a
   slot's process whenever its model releases it (suspend-to-destroy: the next tenant starts a fresh one).
 - :class:`PooledLearner` has the torch learner's surface (what :class:`~services.trainer.service.TrainerService`
@@ -40,6 +41,9 @@ from pathlib import Path
 from typing import Any
 
 from shared.kernel.config import ChorusConfig
+
+SET_AFTER = frozenset({"describe", "load_state_dict", "restore_latest", "noop"})  # calls whose state is set at once
+MAX_LOG = 8  # changing calls a model's log holds at most: the next one Sets its state (a slot lost costs no more)
 
 
 # --- the policy ---------------------------------------------------------------------------------------------------
@@ -317,6 +321,9 @@ class SwapTimes:
     starts: int = 0
     builds: int = 0
     lost: int = 0  # calls whose slot died under them (run again)
+    replayed: int = 0  # logged calls run again on a fresh slot, after the stored state was got back
+    compute_s: float = 0.0  # seconds in micro-batches and steps (wall)
+    compute_cpu_s: float = 0.0  # CPU seconds of the slot processes in them (every thread of a slot)
 
     @property
     def data_s(self) -> float:
@@ -337,7 +344,7 @@ class TrainingPool:
 
     def __init__(self, cfg: ChorusConfig, *, slots: int | None = None, mode: str | None = None,
                  cores: list[list[int]] | None = None, budget_bytes: int | None = None,
-                 clock: Callable[[], float] = time.monotonic, log: Any = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, log: Any = None, swap: bool = True) -> None:
         pc = cfg.train.pool
         n = slots or pc.slots
         self.cfg = cfg
@@ -357,6 +364,10 @@ class TrainingPool:
         self.workers = [SlotWorker(i, layout[i], self.spec) for i in range(n)]
         self.times = SwapTimes()
         self.closed = False
+        # False: a model's state never leaves its slot (static allocation: one slot per model, held the whole run;
+        # what loadtests/bench_training_pool.py compares the pool with)
+        self.swap = swap
+        self.logs: dict[str, list[tuple[str, bytes]]] = {}  # per model: the changing calls since its last Set
 
     # --- tenancy ----------------------------------------------------------------------------------------------
     def acquire(self, model: str) -> int:
@@ -371,12 +382,23 @@ class TrainingPool:
             return slot
 
     def release(self, model: str, more: bool = False) -> None:
+        """``model`` has trained a micro-batch. It keeps its slot (and its state stays in place, unset) when ``more``
+        of its micro-batches are ready and no other model waits; else its state is set to the store while the slot
+        is still its own, then the slot goes to the next model (destroy mode: its process ends)."""
         with self.lock:
             index = self.sched.holding(model)
+            if index is None:
+                return
+            if more and not self.sched.waiting:
+                self.sched.kept += 1
+                return
+        if self.swap and self.logs.get(model):
+            self.call(model, "noop", set_state=True)  # Set: the calls since the last one are in the slot only
+        with self.lock:
             self.sched.release(model, more)
-            freed = index is not None and self.sched.slots[index].holder is None
+            freed = self.sched.slots[index].holder is None
             self.lock.notify_all()
-        if freed and self.mode == "destroy" and index is not None:
+        if freed and self.mode == "destroy":
             worker = self.workers[index]
             with self.lock:
                 still_free = self.sched.slots[index].holder is None
@@ -389,18 +411,27 @@ class TrainingPool:
             self.lock.notify_all()
 
     # --- calls ------------------------------------------------------------------------------------------------
-    def call(self, model: str, method: str, *args: Any, mutates: bool = True) -> CallResult:
+    def call(self, model: str, method: str, *args: Any, mutates: bool = True,
+             set_state: bool | None = None) -> CallResult:
         """``method(*args)`` on ``model``'s learner, in the slot it holds (acquired first if it holds none), with its
-        state brought in and, when ``mutates``, set back after. A slot that dies under the call is started afresh
-        and the call runs again from the stored state (``train.pool.attempts`` times)."""
+        state brought in if the slot does not hold it. A call that changes the state Sets it to the store after
+        when ``set_state`` (default: a load, the first build, the :data:`MAX_LOG`-th changing call since the last
+        Set; and :meth:`release`, when the model gives its slot up); the other changing calls (micro-batches,
+        steps) are logged until the next Set. A slot
+        that dies under a call is started afresh, the stored state is got back, the logged calls run again on it
+        (the same numbers: one thread, the same order) and then the call (``train.pool.attempts`` times)."""
         with self.lock:
             index = self.sched.holding(model)
         if index is None:
             index = self.acquire(model)
         worker = self.workers[index]
+        if set_state is None:
+            set_state = method in SET_AFTER or (mutates and len(self.logs.get(model, ())) >= MAX_LOG - 1)
+        put = set_state
+        data = pickle.dumps(args, protocol=pickle.HIGHEST_PROTOCOL)
         for attempt in range(1, self.attempts + 1):
             try:
-                return self._run(worker, model, method, args, mutates)
+                return self._run(worker, model, method, data, mutates, put and self.swap)
             except SlotLost as exc:
                 self.times.lost += 1
                 if self.log is not None:
@@ -411,43 +442,62 @@ class TrainingPool:
                     raise
         raise AssertionError("unreachable")
 
-    def _run(self, worker: SlotWorker, model: str, method: str, args: tuple[Any, ...], mutates: bool) -> CallResult:
+    def _run(self, worker: SlotWorker, model: str, method: str, data: bytes, mutates: bool,
+             put_state: bool) -> CallResult:
         if not worker.alive():
             took = worker.start()
             self.times.control_s += took
             self.times.starts += 1
-        stored = self.store.get(model)
-        get = None
-        if worker.resident != model and stored is not None:
-            get = (str(stored.path), stored.nbytes, stored.header, stored.meta)
+        if worker.resident != model:
+            self._bring(worker, model)
         put = None
-        if mutates:
-            path, resident = self.store.target(model, stored.nbytes if stored is not None else 0)
-            put = (str(path), resident)
-        was = worker.resident
+        if put_state:
+            stored = self.store.get(model)
+            put = self.store.target(model, stored.nbytes if stored is not None else 0)
         worker.resident = None  # until the reply: a failed call leaves nothing trusted in place
-        reply = worker.request(("call", model, get, method, pickle.dumps(args, protocol=pickle.HIGHEST_PROTOCOL),
-                                put))
+        reply = worker.request(("call", model, None, method, data, None if put is None else (str(put[0]), put[1])))
         if reply[0] == "error":
             _, kind, text, info = reply
-            self._account(info)
-            raise _rebuild(kind, text)  # the next call starts from the stored state, as before this one
+            self._account(info, method)
+            raise _rebuild(kind, text)  # the next call brings the state back as it was before this one
         _, value, info = reply
-        self._account(info)
+        self._account(info, method)
         worker.models.add(model)
         if put is not None:
             nbytes, header, meta, version = info["set"]
-            self.store.commit(model, Path(put[0]), nbytes, header, meta, put[1], version)
-            for other in self.workers:  # a copy of the older state in another slot is not to be used again
+            self.store.commit(model, put[0], nbytes, header, meta, put[1], version)
+            self.logs.pop(model, None)
+        elif mutates and self.swap:
+            self.logs.setdefault(model, []).append((method, data))
+        if mutates:
+            for other in self.workers:  # a copy of an older state in another slot is not to be used again
                 if other is not worker and other.resident == model:
                     other.resident = None
-            worker.resident = model
-        elif get is not None or was == model:
-            worker.resident = model  # a call that changes nothing: the state in place is still the stored one
+        worker.resident = model
         return CallResult(pickle.loads(value), info["version"], info["accumulated"], info)
 
-    def _account(self, info: dict[str, Any]) -> None:
+    def _bring(self, worker: SlotWorker, model: str) -> None:
+        """The model's state into ``worker``: Get the stored one, then run the calls logged since it was set."""
+        stored = self.store.get(model) if self.swap else None
+        if stored is not None:
+            reply = worker.request(("call", model, (str(stored.path), stored.nbytes, stored.header, stored.meta),
+                                    "noop", pickle.dumps(()), None))
+            self._check(reply, "noop")
+        for method, data in self.logs.get(model, []):
+            self._check(worker.request(("call", model, None, method, data, None)), method)
+            self.times.replayed += 1
+
+    def _check(self, reply: tuple[Any, ...], method: str) -> None:
+        info = reply[-1] if isinstance(reply[-1], dict) else {}
+        self._account(info, "")
+        if reply[0] == "error":
+            raise SlotLost(f"bringing the state back failed in {method}: {reply[1]}: {reply[2]}")
+
+    def _account(self, info: dict[str, Any], method: str = "") -> None:
         t = self.times
+        if method in ("micro_batch", "step"):
+            t.compute_s += info.get("call_s", 0.0)
+            t.compute_cpu_s += info.get("cpu_s", 0.0)
         t.control_s += info.get("build_s", 0.0)
         t.builds += int(info.get("build_s", 0.0) > 0)
         if "get_s" in info:
@@ -473,7 +523,8 @@ class TrainingPool:
                 "kept": kept, "moved": moved,
                 "swap": {"control_s": round(t.control_s, 3), "data_s": round(t.data_s, 3), "get_s": round(t.get_s, 3),
                          "set_s": round(t.set_s, 3), "gets": t.gets, "sets": t.sets, "starts": t.starts,
-                         "builds": t.builds, "lost": t.lost, "bytes_set": self.store.bytes_set,
+                         "builds": t.builds, "lost": t.lost, "replayed": t.replayed, "bytes_set": self.store.bytes_set,
+                         "compute_s": round(t.compute_s, 3), "compute_cpu_s": round(t.compute_cpu_s, 3),
                          "bytes_got": self.store.bytes_got},
                 "resident_bytes": self.store.resident_bytes(), "spilled_bytes": self.store.spilled_bytes()}
 

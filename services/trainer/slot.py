@@ -81,7 +81,9 @@ def serve(conn: Connection, spec: Path, index: int) -> int:
                 import_state(learner, WeightsHeader.unpack(header), body[:nbytes], SwapMeta.unpack(meta))
                 info["get_s"] = time.perf_counter() - t0
                 info["get_bytes"] = nbytes
+            c0, w0 = time.process_time(), time.perf_counter()
             value = _dispatch(learner, method, pickle.loads(args))
+            info["cpu_s"], info["call_s"] = time.process_time() - c0, time.perf_counter() - w0
             if put is not None:
                 path, _resident = put
                 t0 = time.perf_counter()
@@ -97,7 +99,11 @@ def serve(conn: Connection, spec: Path, index: int) -> int:
 
 def _dispatch(learner: Any, method: str, args: tuple[Any, ...]) -> Any:
     if method == "describe":
-        return {"vocab_size": learner.vocab_size, "context": learner.context, "adapters": learner.adapters}
+        return {"vocab_size": learner.vocab_size, "context": learner.context, "adapters": learner.adapters,
+                "params": sum(p.numel() for p in learner.net.parameters()),
+                "trainable": sum(p.numel() for p in learner.net.parameters() if p.requires_grad)}
+    if method == "noop":  # a Get or a Set alone
+        return None
     if method not in {"micro_batch", "step", "named_tensors", "optimizer_state", "state_dict", "load_state_dict",
                       "save_checkpoint", "restore_latest"}:
         raise ValueError(f"a slot does not run {method!r}")

@@ -70,11 +70,13 @@ def state_tensors(learner: Learner) -> dict[str, torch.Tensor]:
     return named
 
 
-def export_state(learner: Learner, out: Buffer | None = None,
-                 bucket_bytes: int = 64 * 1024 * 1024) -> tuple[WeightsHeader, Buffer, SwapMeta]:
-    """Set: the learner's training state into one buffer (``out`` reused when large enough) and its record."""
+def export_state(learner: Learner, out: Buffer | None = None, bucket_bytes: int = 64 * 1024 * 1024,
+                 checksums: bool = False) -> tuple[WeightsHeader, Buffer, SwapMeta]:
+    """Set: the learner's training state into one buffer (``out`` reused when large enough) and its record.
+    Without ``checksums`` (the default: the buffer stays on this host) it cannot be imported with ``verify``."""
     named = state_tensors(learner)
-    header, buf = flatten(learner.model_name, learner.version, named, bucket_bytes=bucket_bytes, out=out)
+    header, buf = flatten(learner.model_name, learner.version, named, bucket_bytes=bucket_bytes, out=out,
+                          checksums=checksums)
     groups = [{k: v for k, v in g.items() if k != "params"} for g in learner.optimizer.param_groups]
     meta = SwapMeta(learner.version, learner.accumulated, learner._loss_sum, list(learner._parts),
                     list(learner._reward_kl), pickle.dumps(learner._held, protocol=pickle.HIGHEST_PROTOCOL), groups)

@@ -312,7 +312,9 @@ async def _status(cfg: ChorusConfig, url: str) -> RenderableType:
         parts: list[RenderableType] = [t, await _run_state_line(cfg, kv)]
         for extra in (agent_table(await _mq_metrics(nc, names, answers, list(cfg.models))),
                       balance_table(await _service_metrics(nc, names, answers, "coordinator")),
-                      act_table(await _service_metrics(nc, names, answers, "actions"))):
+                      act_table(await _service_metrics(nc, names, answers, "actions")),
+                      pool_table(await _service_metrics(
+                          nc, names, [a for a in answers if not (a.get("metadata") or {}).get("model")], "trainer"))):
             if extra is not None:
                 parts.append(extra)
         return t if len(parts) == 1 else Group(*parts)
@@ -374,6 +376,29 @@ async def _service_metrics(nc: Any, names: Names, answers: list[dict[str, Any]],
     metas = [a.get("metadata") or {} for a in answers if a.get("name") == f"chorus-{service}"]
     replies = await asyncio.gather(*(ask(str(m.get("instance"))) for m in metas))
     return {i: r for i, r in replies if isinstance(r, dict)}
+
+
+def pool_table(metrics: Mapping[str, Mapping[str, Any]]) -> Table | None:
+    """The training pool (train.pool): per slot who holds it, held seconds and grants, then the swap's control and
+    data seconds and the bytes in host memory; None when the run has no pool."""
+    pools = {i: m["pool"] for i, m in metrics.items() if isinstance(m.get("pool"), Mapping) and "slots" in m["pool"]}
+    if not pools:
+        return None
+    t = Table(title="training pool: slots (held seconds); swaps: ctrl = process starts and builds, data = Set/Get copies")
+    for col in ("pool", "slot", "cores", "holder", "call", "held s", "grants", "starts", "waiting", "util",
+                "ctrl s", "data s", "sets/gets", "host MB", "disk MB"):
+        t.add_column(col, justify="left" if col in ("pool", "holder", "call", "waiting", "cores") else "right")
+    for instance, p in sorted(pools.items()):
+        swap = p.get("swap") if isinstance(p.get("swap"), Mapping) else {}
+        tail = (", ".join(p.get("waiting") or []) or "-", f"{p.get('utilisation', 0):.2f}",
+                f"{swap.get('control_s', 0):.2f}", f"{swap.get('data_s', 0):.2f}",
+                f"{_n(swap.get('sets'))}/{_n(swap.get('gets'))}", f"{p.get('resident_bytes', 0) / 2**20:.1f}",
+                f"{p.get('spilled_bytes', 0) / 2**20:.1f}")
+        for k, slot in enumerate(p.get("slots") or []):
+            t.add_row(instance if k == 0 else "", _n(slot.get("slot")), ",".join(map(str, slot.get("cores") or [])),
+                      str(slot.get("holder") or "-"), str(slot.get("call") or "-"), f"{slot.get('busy_s', 0):.1f}",
+                      _n(slot.get("grants")), _n(slot.get("starts")), *(tail if k == 0 else ("",) * len(tail)))
+    return t
 
 
 def act_table(metrics: Mapping[str, Mapping[str, Any]]) -> Table | None:

@@ -456,6 +456,22 @@ def test_status_balance_table_shows_queues_instances_and_the_last_migration() ->
     assert balance_table({}) is None and balance_table({"0": {"counters": {}}}) is None
 
 
+def test_status_pool_table_shows_each_slots_holder_and_the_swap_costs() -> None:
+    from shared.launcher.cli import pool_table
+
+    pool = {"slots": [{"slot": 0, "holder": "a", "call": "micro_batch", "busy_s": 12.5, "grants": 9, "cores": [0],
+                       "starts": 1},
+                      {"slot": 1, "holder": None, "call": None, "busy_s": 3.0, "grants": 4, "cores": [1], "starts": 2}],
+            "waiting": ["c"], "utilisation": 0.61, "swap": {"control_s": 5.5, "data_s": 0.25, "sets": 7, "gets": 3},
+            "resident_bytes": 3 * 2**20, "spilled_bytes": 0}
+    rows = _table_rows(_render(pool_table({"0": {"pool": pool}})))
+    assert rows[0][:2] == ["pool", "slot"]
+    assert rows[1] == ["0", "0", "0", "a", "micro_batch", "12.5", "9", "1", "c", "0.61", "5.50", "0.25", "7/3",
+                       "3.0", "0.0"]
+    assert rows[2] == ["1", "1", "-", "-", "3.0", "4", "2"]
+    assert pool_table({}) is None and pool_table({"0": {"pool": {"instances": 2}}}) is None  # a rollouter's pool
+
+
 @contextlib.asynccontextmanager
 async def _serving(svc: Any, ready: str, nats_url: str) -> AsyncIterator[Any]:
     """``svc`` serving in a task (waited for until its attribute ``ready`` is set) and a client connection; on the

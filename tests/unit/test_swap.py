@@ -44,7 +44,7 @@ def _train(make, batches, swap: bool) -> tuple[Learner, list[float]]:
         if result is not None:
             losses.append(result.loss)
         if swap:
-            header, buf, meta = export_state(learner)
+            header, buf, meta = export_state(learner, checksums=True)
             assert header.nbytes == state_bytes(learner)
             data = bytes(buf[: header.nbytes])  # the buffer leaves the learner; meta travels pickled
             meta = SwapMeta.unpack(meta.pack())
