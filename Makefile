@@ -106,6 +106,7 @@ bench: venv
 	$(BIN)/python loadtests/bench_weightsync.py
 	$(BIN)/python loadtests/bench_sandbox.py
 	$(BIN)/python loadtests/bench_rollout.py
+	$(BIN)/python loadtests/bench_training_pool.py
 
 plot: venv
 	$(BIN)/chorus plot $$(ls -d runs/*/ | tail -n 1)

@@ -139,9 +139,10 @@ def replay(learners: dict[str, PooledLearner], trace: list[tuple[float, str]]) -
                     time.sleep(delay)
                 learner.micro_batch(make_batch(model, k), list(range(MICRO)), "grpo")
                 learner.step()
+                if k + 1 == len(mine):  # the target version is reached (the slot's release below is after it)
+                    finished[model] = time.perf_counter() - t0
                 more = k + 1 < len(mine) and t0 + mine[k + 1] <= time.perf_counter()
                 learner.release(more)
-            finished[model] = time.perf_counter() - t0
         except BaseException as exc:  # noqa: BLE001 - reported by the main thread
             errors.append(exc)
 
@@ -199,11 +200,16 @@ def swap_costs(root: Path, hidden: int) -> dict[str, float]:
         la = PooledLearner(pool, a)
         start_build = pool.times.control_s
         lb = PooledLearner(pool, b)
+
+        def turns(n: int, first: int) -> None:  # each turn: Get (the other model was in the slot), train, Set
+            for k in range(first, first + n):
+                for lr in (la, lb):
+                    lr.micro_batch(make_batch(lr.model_name, k), list(range(MICRO)), "grpo")
+                    lr.release()
+
+        turns(2, 0)  # both state files of each model written once: their pages exist (a steady run's case)
         sets0, set0, gets0, get0 = pool.times.sets, pool.times.set_s, pool.times.gets, pool.times.get_s
-        for k in range(3):  # each turn: Get (the other model was in the slot), train, Set
-            for lr in (la, lb):
-                lr.micro_batch(make_batch(lr.model_name, k), list(range(MICRO)), "grpo")
-                lr.release()
+        turns(3, 2)
         sets, gets = pool.times.sets - sets0, pool.times.gets - gets0
         nbytes = pool.store.get(a).nbytes  # type: ignore[union-attr]
         info = la._call("describe", mutates=False).value
@@ -265,7 +271,8 @@ def main() -> None:
               f"time static/pool {', '.join(f'{x:.2f}' for x in tm)}")
         summary[models] = {"utilisation": ut, "time": tm}
 
-    print("\nswap of the learner state (one slot, two models taking turns; Set after each micro-batch, Get on return)")
+    print("\nswap of the learner state (one slot, two models taking turns: each gives it up after a micro-batch, so "
+          "its state is Set, and Got when it comes back)")
     print(f"{'hidden':>7} {'params M':>9} {'state MB':>9} {'control s':>10} {'set s':>8} {'get s':>8} "
           f"{'set GB/s':>9} {'get GB/s':>9}")
     for h in (int(x) for x in args.sizes.split(",")):

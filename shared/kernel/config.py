@@ -516,7 +516,7 @@ class PoolSection(Section):
     ``slots`` slots (each ``cores`` cores and a worker process), holding one only while it trains, its state swapped
     to host memory in between; 0 keeps one trainer process per model, holding its cores the whole run."""
 
-    slots: int = Field(default=0, ge=0)
+    slots: int = Field(default=0, ge=0)  # 0: a trainer process per model; N: every model's trainer shares N slots
     cores: int | None = Field(default=None, ge=1)  # cores per slot; None: an equal share of this machine's
     # warm: slot processes stay between tenants and only the state moves; destroy: a slot's process ends when its
     # model releases it (suspend-to-destroy) and the next tenant starts a fresh one
