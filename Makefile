@@ -10,7 +10,7 @@ CONFIG ?= configs/demo.yaml
 # The extras `make venv` installs. Not ucx: ucxx-cu12 pulls CUDA libraries (make venv-ucx adds it).
 VENV_EXTRAS := dev
 
-.PHONY: venv venv-ucx venv-vllm test-vllm venv-deepspeed test-deepspeed demo test test-cuda test-ucx e2e faults soak lint plot bench docs check-cpu-deps clean
+.PHONY: venv venv-ucx venv-vllm test-vllm venv-deepspeed test-deepspeed demo test test-long test-cuda test-ucx e2e faults soak lint plot bench docs check-cpu-deps clean
 
 venv: $(STAMP)
 
@@ -67,11 +67,15 @@ test-deepspeed: venv-deepspeed
 demo: venv
 	$(BIN)/chorus up $(CONFIG)
 
-# The unit tests (one process each, no broker of their own) run on two workers; the rest, whose runs start many
-# processes, one at a time.
+# The unit and integration tests (each its own broker and processes at most) run on two workers; the end-to-end and
+# fault runs, which start many processes each, one at a time.
 test: venv
-	$(BIN)/pytest -q -p no:cacheprovider -n 2 tests/unit
-	$(BIN)/pytest -q -p no:cacheprovider --durations 8 --ignore=tests/unit
+	$(BIN)/pytest -q -p no:cacheprovider -n 2 tests/unit tests/integration
+	$(BIN)/pytest -q -p no:cacheprovider --durations 8 --ignore=tests/unit --ignore=tests/integration
+
+# A minute at concurrency 64 with a flat JetStream consumer count (CI runs it beside `make test`; `make faults` too).
+test-long: venv
+	$(BIN)/pytest -q -p no:cacheprovider -m full "tests/faults/test_long_run.py::test_the_tiny_run_at_concurrency_64_keeps_training_with_a_flat_consumer_count[1min]"
 
 # The tests that need ucxx (marked ucx; `make test` deselects them). They fail, not skip, without it.
 test-ucx: venv-ucx

@@ -228,8 +228,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--hidden", type=int, default=768, help="hidden size of the trace's models (4 layers: 24M "
                     "parameters at 768)")
-    ap.add_argument("--bursts", type=int, default=8)
-    ap.add_argument("--gap", type=float, default=2.5, help="mean seconds between bursts")
+    ap.add_argument("--bursts", type=int, default=7)
+    ap.add_argument("--gap", type=float, default=3.5, help="mean seconds between bursts (the rollouts of a round)")
     ap.add_argument("--sizes", default="256,768,1536", help="hidden sizes of the swap measurement (4 layers)")
     ap.add_argument("--quick", action="store_true", help="one repeat, small models, a short trace (a smoke run)")
     args = ap.parse_args()

@@ -169,8 +169,9 @@ class StateStore:
     def __init__(self, budget_bytes: int, spill_dir: Path, tag: str) -> None:
         self.budget = budget_bytes
         shm = Path("/dev/shm")
-        self.memory_dir = Path(tempfile.mkdtemp(prefix=f"chorus-pool-{tag}-",
-                                                dir=shm if shm.is_dir() and os.access(shm, os.W_OK) else None))
+        where = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+        self.swept = sweep_dead_stores(where)
+        self.memory_dir = Path(tempfile.mkdtemp(prefix=f"chorus-pool-{tag}-", dir=where))
         self.spill_dir = spill_dir
         self.states: dict[str, StoredState] = {}
         self.bytes_set = 0
@@ -211,6 +212,29 @@ class StateStore:
         import shutil
 
         shutil.rmtree(self.memory_dir, ignore_errors=True)
+
+
+def sweep_dead_stores(where: Path) -> int:
+    """Remove the host-memory stores of pools whose process is gone (a SIGKILLed pool cannot clean up after itself;
+    its states would hold host memory until a reboot). Returns how many were removed."""
+    import shutil
+
+    removed = 0
+    for d in where.glob("chorus-pool-*"):
+        try:
+            pid = int(d.name.split("-")[2])
+        except (IndexError, ValueError):
+            continue
+        try:
+            os.kill(pid, 0)
+            continue  # alive (or not ours to signal): keep
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        shutil.rmtree(d, ignore_errors=True)
+        removed += 1
+    return removed
 
 
 # --- the slot workers ---------------------------------------------------------------------------------------------

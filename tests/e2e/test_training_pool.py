@@ -16,7 +16,7 @@ from tests.conftest import ROOT
 from tests.e2e.conftest import chorus_up
 
 MODELS = ["planner_lm", "solver_lm", "checker_lm", "answer_lm"]
-VERSIONS = 30
+VERSIONS = 20
 
 
 async def test_four_models_on_two_slots_reach_their_versions_and_keep_their_books(nats_url, run_id, tmp_path):

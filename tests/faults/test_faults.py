@@ -32,7 +32,7 @@ from tests.faults.harness import (
 
 GAUNTLET_VERSIONS = 60
 MARFT_VERSIONS = 20
-POOL_VERSIONS = 25
+POOL_VERSIONS = 20
 FREEZE_S = 20.0  # longer than every timeout of the fault config (requests 10 s, ack waits 10 and 15 s)
 
 
@@ -75,7 +75,7 @@ async def test_a_training_pool_slot_killed_mid_micro_batch_loses_nothing(tmp_pat
         config = pool_fault_config(tmp_path, run_id, max_versions=POOL_VERSIONS)
         fault_run = FaultRun(tmp_path, run_id, broker, config, max_versions=POOL_VERSIONS, models=POOL_MODELS,
                              pool=True)
-        outcome = await fault_run.run([Fault(SLOT, "kill", 5), Fault(SLOT, "kill", 12)])
+        outcome = await fault_run.run([Fault(SLOT, "kill", 4), Fault(SLOT, "kill", 10)])
     finally:
         broker.stop()
     fault_table.append(("a training pool's slot killed mid-micro-batch, twice", outcome))

@@ -1,7 +1,8 @@
 """A long run at high concurrency keeps training and holds a flat number of JetStream consumers.
 
 Every weight sync used to leave a KV-watch consumer behind for minutes; at 1000 consumers nats-server refuses
-new ones and every sync fails. ``make test`` runs one minute of it, ``make faults`` five.
+new ones and every sync fails. ``make test-long`` (in CI beside ``make test``) runs one minute of it, ``make faults``
+one and five.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ SAMPLE_S = 3.0
 START_S = 300.0  # the most start-up may take (every model trained once) on a busy machine
 
 
-@pytest.mark.parametrize("minutes", [pytest.param(1.0, id="1min"), pytest.param(5.0, id="5min", marks=pytest.mark.full)])
+@pytest.mark.parametrize("minutes", [pytest.param(1.0, id="1min", marks=pytest.mark.full),
+                                     pytest.param(5.0, id="5min", marks=pytest.mark.full)])
 async def test_the_tiny_run_at_concurrency_64_keeps_training_with_a_flat_consumer_count(minutes, tmp_path, run_id):
     broker = Broker.single(tmp_path / "nats")
     config = fault_config(tmp_path, run_id, max_versions=10_000_000, concurrency=64)

@@ -132,9 +132,7 @@ def test_suspend_to_destroy_ends_the_slot_process_at_every_release(tmp_path):
     try:
         a = PooledLearner(pool, "m")
         assert pool.snapshot()["slots"][0]["pid"] is None  # released after its first state was stored
-        start = a.state_dict()
-        a.release()
-        batches = _micro_batches([None], 4, 8)
+        batches = _micro_batches([None], 2, 8)  # one global batch: two micro-batches and the step
         pids = []
         for mb in batches:
             a.micro_batch(mb, list(range(8)), "grpo")
@@ -144,12 +142,12 @@ def test_suspend_to_destroy_ends_the_slot_process_at_every_release(tmp_path):
             assert pool.snapshot()["slots"][0]["pid"] is None
         assert len(set(pids)) == len(pids)  # a fresh process each time
         snap = pool.snapshot()
-        assert snap["swap"]["starts"] >= 6 and snap["swap"]["control_s"] > 0 and snap["swap"]["gets"] >= 5
+        assert snap["swap"]["starts"] >= 3 and snap["swap"]["control_s"] > 0 and snap["swap"]["gets"] >= 2
         got = _state(a)
         a.release()
     finally:
         pool.close()
-    want = _state(_reference(cfg, "m", start, batches))
+    want = _state(_reference(cfg, "m", Learner(cfg, "m").state_dict(), batches))  # a model's build is seeded
     for k in want:
         assert torch.equal(got[k], want[k]), k
 

@@ -171,3 +171,25 @@ def test_slot_cores_share_the_machine_and_wrap_when_asked_for_more():
     assert slot_cores(1, None, [0, 1, 2, 3]) == [[0, 1, 2, 3]]
     assert slot_cores(4, None, [0, 1]) == [[0], [1], [0], [1]]
     assert slot_cores(2, 2, [4, 5, 6, 7]) == [[4, 5], [6, 7]]
+
+
+def test_the_host_memory_of_a_killed_pool_is_swept_and_a_live_ones_kept(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from services.trainer.pool import StateStore
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    dead = tmp_path / f"chorus-pool-{gone.pid}-abc123-x"
+    live = tmp_path / f"chorus-pool-{os.getpid()}-def456-y"
+    for d in (dead, live):
+        d.mkdir()
+        (d / "m.0.state").write_bytes(b"\0" * 64)
+    from services.trainer.pool import sweep_dead_stores
+
+    assert sweep_dead_stores(tmp_path) == 1
+    assert not dead.exists() and live.exists()
+    store = StateStore(0, tmp_path / "spill", "t")
+    store.close()
