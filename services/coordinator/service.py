@@ -365,25 +365,37 @@ class CoordinatorService(Service):
                 continue
             finally:
                 self.in_flight -= 1
-                if self.gate is not None:
-                    self.gate.finished(None if ep is None else per_model(ep), ticket)
-                if self.pacer is not None:
-                    self.pacer.finished(None if ep is None else per_model(ep))
+                if ep is None or not self.cfg.marft_on:  # MARFT's episodes count once their values are in
+                    self._admitted_done(ep, ticket)
             consecutive = 0
             critic: CriticBatch | None = None
             if self.cfg.marft_on:
+                valued = False
                 try:
                     critic = await self._marft(ep)
+                    valued = True
                 except Abandon as exc:  # the critic did not answer: the task's samples have no advantages
                     self.counters["tasks_abandoned"] += 1
                     self.log.warning("task abandoned", task=task.task_id, error=str(exc))
                     continue
+                finally:
+                    # An episode the critic did not value publishes nothing: the on-policy gate must not count its
+                    # samples (it would close the batch on samples the trainer never gets, and wait for ever).
+                    self._admitted_done(ep if valued else None, ticket)
             # Once started, a task's samples are published whole even if a drain cancels this loop.
             pub = asyncio.create_task(self._publish(ep, critic))
             self._publishing.add(pub)
             pub.add_done_callback(self._publishing.discard)
             await asyncio.shield(pub)
             self._record(ep)
+
+    def _admitted_done(self, ep: Episode | None, ticket: dict[str, float] | None) -> None:
+        """A task ended, with its episode's samples to publish (None: nothing will be published): the admission
+        (the on-policy gate, or the async pacer) counts them."""
+        if self.gate is not None:
+            self.gate.finished(None if ep is None else per_model(ep), ticket)
+        if self.pacer is not None:
+            self.pacer.finished(None if ep is None else per_model(ep))
 
     async def _workflow_failed(self, exc: Exception, task_id: str) -> None:
         """Count a failure of the workflow; log each distinct error once; stop the run past max_failures."""
