@@ -38,6 +38,7 @@ import torch
 from services.rollouter.continuous import Row, Stepwise
 from services.rollouter.engine import SamplingParams, peft_adapters, tail_has_stop
 from shared.kernel.config import ConfigError, VllmSection
+from shared.kernel.files import sweep_dead_owners
 from shared.models.loading import Tokenizer, context_length, shipped_tensors
 
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the ranks vLLM's LoRA layers are built for
@@ -51,24 +52,7 @@ WORK_PREFIX = "chorus-vllm-"  # + the owner's pid: a dead owner's directory is r
 def sweep_work_dirs(root: Path) -> list[Path]:
     """Remove the work directories under ``root`` whose owning process is gone (a rollouter SIGKILLed or
     crashed cannot clean up: its base copy and adapters would stay on tmpfs); returns what was removed."""
-    removed = []
-    for d in root.glob(f"{WORK_PREFIX}*-*"):
-        pid = d.name[len(WORK_PREFIX):].split("-", 1)[0]
-        if not pid.isdigit() or pid_alive(int(pid)):
-            continue
-        shutil.rmtree(d, ignore_errors=True)
-        removed.append(d)
-    return removed
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process: alive, and not ours to clean
-        return True
-    return True
+    return sweep_dead_owners(root, WORK_PREFIX)
 
 
 class VllmMissing(ConfigError):

@@ -41,8 +41,10 @@ from pathlib import Path
 from typing import Any
 
 from shared.kernel.config import ChorusConfig
+from shared.kernel.files import sweep_dead_owners
 
 SET_AFTER = frozenset({"describe", "load_state_dict", "restore_latest", "noop"})  # calls whose state is set at once
+STORE_PREFIX = "chorus-pool-"  # + the pool's pid: a host-memory store, removed by the next pool once that pid is gone
 MAX_LOG = 8  # changing calls a model's log holds at most: the next one Sets its state (a slot lost costs no more)
 
 
@@ -170,8 +172,8 @@ class StateStore:
         self.budget = budget_bytes
         shm = Path("/dev/shm")
         where = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
-        self.swept = sweep_dead_stores(where)
-        self.memory_dir = Path(tempfile.mkdtemp(prefix=f"chorus-pool-{tag}-", dir=where))
+        sweep_dead_owners(where, STORE_PREFIX)  # the states a killed pool left in host memory
+        self.memory_dir = Path(tempfile.mkdtemp(prefix=f"{STORE_PREFIX}{tag}-", dir=where))
         self.spill_dir = spill_dir
         self.states: dict[str, StoredState] = {}
         self.bytes_set = 0
@@ -212,29 +214,6 @@ class StateStore:
         import shutil
 
         shutil.rmtree(self.memory_dir, ignore_errors=True)
-
-
-def sweep_dead_stores(where: Path) -> int:
-    """Remove the host-memory stores of pools whose process is gone (a SIGKILLed pool cannot clean up after itself;
-    its states would hold host memory until a reboot). Returns how many were removed."""
-    import shutil
-
-    removed = 0
-    for d in where.glob("chorus-pool-*"):
-        try:
-            pid = int(d.name.split("-")[2])
-        except (IndexError, ValueError):
-            continue
-        try:
-            os.kill(pid, 0)
-            continue  # alive (or not ours to signal): keep
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            continue
-        shutil.rmtree(d, ignore_errors=True)
-        removed += 1
-    return removed
 
 
 # --- the slot workers ---------------------------------------------------------------------------------------------

@@ -173,23 +173,25 @@ def test_slot_cores_share_the_machine_and_wrap_when_asked_for_more():
     assert slot_cores(2, 2, [4, 5, 6, 7]) == [[4, 5], [6, 7]]
 
 
-def test_the_host_memory_of_a_killed_pool_is_swept_and_a_live_ones_kept(tmp_path):
+def test_the_host_memory_of_a_killed_pool_is_swept_and_a_live_ones_kept(tmp_path, monkeypatch):
     import os
     import subprocess
     import sys
+    import tempfile
 
-    from services.trainer.pool import StateStore
+    from services.trainer.pool import STORE_PREFIX, StateStore
 
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
-    dead = tmp_path / f"chorus-pool-{gone.pid}-abc123-x"
-    live = tmp_path / f"chorus-pool-{os.getpid()}-def456-y"
+    dead = tmp_path / f"{STORE_PREFIX}{gone.pid}-abc123-x"
+    live = tmp_path / f"{STORE_PREFIX}{os.getpid()}-def456-y"
     for d in (dead, live):
         d.mkdir()
         (d / "m.0.state").write_bytes(b"\0" * 64)
-    from services.trainer.pool import sweep_dead_stores
-
-    assert sweep_dead_stores(tmp_path) == 1
-    assert not dead.exists() and live.exists()
-    store = StateStore(0, tmp_path / "spill", "t")
+    # a store starting where /dev/shm is not writable sweeps the temp directory instead: here, tmp_path
+    monkeypatch.setattr(os, "access", lambda path, mode: False)
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))
+    store = StateStore(0, tmp_path / "spill", f"{os.getpid()}-t")
+    assert not dead.exists() and live.exists() and store.memory_dir.parent == tmp_path
     store.close()
+    assert not store.memory_dir.exists()
