@@ -160,7 +160,6 @@ class StoredState:
     meta: bytes  # the learner's SwapMeta, pickled
     header: bytes  # the buffer's WeightsHeader, packed
     resident: bool  # in host memory (False: spilled to the run directory)
-    version: int = 0
     generation: int = 0
 
 
@@ -196,15 +195,14 @@ class StateStore:
         where.mkdir(parents=True, exist_ok=True)
         return where / f"{model}.{generation % 2}.state", resident
 
-    def commit(self, model: str, path: Path, nbytes: int, header: bytes, meta: bytes, resident: bool,
-               version: int) -> None:
+    def commit(self, model: str, path: Path, nbytes: int, header: bytes, meta: bytes, resident: bool) -> None:
         """The Set into ``path`` completed: the store points at it (and drops the other place's file)."""
         cur = self.states.get(model)
         generation = (cur.generation + 1) if cur is not None else 0
         if cur is not None and cur.path.parent != path.parent:
             with contextlib.suppress(OSError):
                 cur.path.unlink()
-        self.states[model] = StoredState(path, nbytes, meta, header, resident, version, generation)
+        self.states[model] = StoredState(path, nbytes, meta, header, resident, generation)
         self.bytes_set += nbytes
 
     def get(self, model: str) -> StoredState | None:
@@ -239,14 +237,12 @@ def slot_cores(slots: int, per_slot: int | None, cores: list[int] | None = None)
 class SlotWorker:
     """One slot's worker process and the pipe to it (the calls are serial: one tenant at a time)."""
 
-    def __init__(self, index: int, cores: list[int], spec: Path, device_cores: bool = True) -> None:
+    def __init__(self, index: int, cores: list[int], spec: Path) -> None:
         self.index, self.cores, self.spec = index, cores, spec
         self.proc: subprocess.Popen[bytes] | None = None
         self.conn: Connection | None = None
-        self.models: set[str] = set()  # learners built in this process
-        self.resident: str | None = None  # whose state is in place, the same as the store's copy
+        self.resident: str | None = None  # whose latest state is in place (the store's copy and the logged calls)
         self.starts = 0
-        self.pin = device_cores
         self.calling: str | None = None  # the learner call in progress (what a fault test kills in the middle of)
 
     def alive(self) -> bool:
@@ -263,11 +259,11 @@ class SlotWorker:
         env = {**os.environ, "OMP_NUM_THREADS": str(len(self.cores)), "CHORUS_SLOT_PARENT": str(os.getpid())}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "services.trainer.slot", str(theirs.fileno()), str(self.spec), str(self.index),
-             ",".join(map(str, self.cores)) if self.pin else ""],
+             ",".join(map(str, self.cores))],
             pass_fds=(theirs.fileno(),), env=env)
         theirs.close()
         self.conn = ours
-        self.models, self.resident = set(), None
+        self.resident = None
         self.starts += 1
         reply = self._recv()
         if reply[0] != "ready":
@@ -311,7 +307,7 @@ class SlotWorker:
         if self.conn is not None:
             with contextlib.suppress(Exception):
                 self.conn.close()
-        self.proc, self.conn, self.models, self.resident = None, None, set(), None
+        self.proc, self.conn, self.resident = None, None, None
 
 
 @dataclass
@@ -397,16 +393,13 @@ class TrainingPool:
                 return
         if self.swap and self.logs.get(model):
             self.call(model, "noop", set_state=True)  # Set: the calls since the last one are in the slot only
+        if self.mode == "destroy":
+            # suspend-to-destroy: the process ends, its cores go back; while the slot is still this model's, so
+            # that no next tenant is already using the process
+            self.workers[index].stop()
         with self.lock:
             self.sched.release(model, more)
-            freed = self.sched.slots[index].holder is None
             self.lock.notify_all()
-        if freed and self.mode == "destroy":
-            worker = self.workers[index]
-            with self.lock:
-                still_free = self.sched.slots[index].holder is None
-            if still_free:
-                worker.stop()  # suspend-to-destroy: the process ends, its cores go back
 
     def leave(self, model: str) -> None:
         with self.lock:
@@ -430,11 +423,10 @@ class TrainingPool:
         worker = self.workers[index]
         if set_state is None:
             set_state = method in SET_AFTER or (mutates and len(self.logs.get(model, ())) >= MAX_LOG - 1)
-        put = set_state
         data = pickle.dumps(args, protocol=pickle.HIGHEST_PROTOCOL)
         for attempt in range(1, self.attempts + 1):
             try:
-                return self._run(worker, model, method, data, mutates, put and self.swap)
+                return self._run(worker, model, method, data, mutates, set_state and self.swap)
             except SlotLost as exc:
                 self.times.lost += 1
                 if self.log is not None:
@@ -465,10 +457,9 @@ class TrainingPool:
             raise _rebuild(kind, text)  # the next call brings the state back as it was before this one
         _, value, info = reply
         self._account(info, method)
-        worker.models.add(model)
         if put is not None:
-            nbytes, header, meta, version = info["set"]
-            self.store.commit(model, put[0], nbytes, header, meta, put[1], version)
+            nbytes, header, meta = info["set"]
+            self.store.commit(model, put[0], nbytes, header, meta, put[1])
             self.logs.pop(model, None)
         elif mutates and self.swap:
             self.logs.setdefault(model, []).append((method, data))

@@ -89,7 +89,7 @@ def serve(conn: Connection, spec: Path, index: int) -> int:
                 t0 = time.perf_counter()
                 out = maps.get(path, state_bytes(learner), create=True)
                 h, _, m = export_state(learner, out=out)
-                info["set"] = (h.nbytes, h.pack(), m.pack(), learner.version)
+                info["set"] = (h.nbytes, h.pack(), m.pack())
                 info["set_s"] = time.perf_counter() - t0
             info.update(version=learner.version, accumulated=learner.accumulated)
             conn.send(("ok", pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL), info))
