@@ -1,4 +1,4 @@
-"""Helpers for end-to-end tests: a small two-model run config."""
+"""Helpers for end-to-end tests: a small two-model run config, `chorus up`, a run's sample books."""
 
 from __future__ import annotations
 
@@ -6,7 +6,9 @@ import asyncio
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -41,3 +43,16 @@ async def chorus_up(config: Path, nats_url: str, timeout_s: int) -> tuple[int | 
                                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     out, _ = await proc.communicate()
     return proc.returncode, out.decode(errors="replace")
+
+
+def assert_books(records: list[dict[str, Any]], published: set[str], model: str, versions: int) -> None:
+    """Every sample of ``model`` that was published is in exactly one of its step or drop records (of ``records``,
+    the run's events), and its step versions run 1..``versions``."""
+    places: Counter[str] = Counter()
+    for r in records:
+        if r.get("model") == model and r.get("kind") in ("step", "drop"):
+            places.update(r["sample_ids"])
+    assert published and set(places) == published, (model, len(published), len(places))
+    assert max(places.values()) == 1, [sid for sid, n in places.items() if n > 1][:5]
+    steps = sorted(r["version"] for r in records if r.get("model") == model and r.get("kind") == "step")
+    assert steps == list(range(1, versions + 1)), model

@@ -14,7 +14,7 @@ from shared.kernel.codec import decode
 from shared.kernel.schemas import CriticBatch, Sample
 from shared.results.plotting import training_panels
 from tests.conftest import ROOT
-from tests.e2e.conftest import chorus_up
+from tests.e2e.conftest import assert_books, chorus_up
 
 MODELS = ["reasoner_lm", "actor_lm"]
 VERSIONS = 150  # configs/marft-tiny.yaml's own: by then the critic has caught up with the policy
@@ -61,14 +61,7 @@ async def test_the_tiny_marft_run_keeps_its_books_trains_its_critic_and_learns(n
 
     # Every published sample is in exactly one step record or one drop record of its model.
     for m in MODELS:
-        places: Counter[str] = Counter()
-        for r in records:
-            if r.get("model") == m and r.get("kind") in ("step", "drop"):
-                places.update(r["sample_ids"])
-        assert published[m] and set(places) == published[m], (m, len(published[m]), len(places))
-        assert max(places.values()) == 1, [sid for sid, n in places.items() if n > 1][:5]
-        versions = sorted(r["version"] for r in records if r.get("model") == m and r.get("kind") == "step")
-        assert versions == list(range(1, VERSIONS + 1))
+        assert_books(records, published[m], m, VERSIONS)
     # ... and every critic sample in at most one critic step.
     critic_steps = [r for r in records if r.get("kind") == "critic_step"]
     trained = Counter(sid for r in critic_steps for sid in r["sample_ids"])

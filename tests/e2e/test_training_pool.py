@@ -5,7 +5,7 @@ record of its model, and the pool's metrics say both slots trained and the state
 from __future__ import annotations
 
 import json
-from collections import Counter, defaultdict
+from collections import defaultdict
 
 import nats
 import yaml
@@ -13,7 +13,7 @@ import yaml
 from shared.kernel.codec import decode
 from shared.kernel.schemas import Sample
 from tests.conftest import ROOT
-from tests.e2e.conftest import chorus_up
+from tests.e2e.conftest import assert_books, chorus_up
 
 MODELS = ["planner_lm", "solver_lm", "checker_lm", "answer_lm"]
 VERSIONS = 20
@@ -57,14 +57,7 @@ async def test_four_models_on_two_slots_reach_their_versions_and_keep_their_book
     assert "services that did not exit cleanly" not in text, text[-3000:]
 
     for m in MODELS:
-        places: Counter[str] = Counter()
-        for r in records:
-            if r.get("model") == m and r.get("kind") in ("step", "drop"):
-                places.update(r["sample_ids"])
-        assert published[m] and set(places) == published[m], (m, len(published[m]), len(places))
-        assert max(places.values()) == 1, [sid for sid, n in places.items() if n > 1][:5]
-        versions = sorted(r["version"] for r in records if r.get("model") == m and r.get("kind") == "step")
-        assert versions == list(range(1, VERSIONS + 1)), m
+        assert_books(records, published[m], m, VERSIONS)
         drops = {r["reason"] for r in records if r.get("model") == m and r.get("kind") == "drop"}
         assert drops <= {"finished", "stale"}, drops
 

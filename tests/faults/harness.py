@@ -72,9 +72,11 @@ def fault_config(tmp_path: Path, run_id: str, *, max_versions: int, replicas: in
     return path
 
 
-def pool_fault_config(tmp_path: Path, run_id: str, *, max_versions: int) -> Path:
-    """configs/pool-tiny.yaml (four models, a training pool of two slots) with the fault config's timeouts."""
-    cfg = yaml.safe_load((ROOT / "configs" / "pool-tiny.yaml").read_text())
+def shipped_fault_config(tmp_path: Path, run_id: str, name: str, *, max_versions: int,
+                         patch: dict[str, dict[str, Any]] | None = None) -> Path:
+    """configs/<name>.yaml, its own models and batch sizes, with the fault config's timeouts; ``patch``: keys set in
+    its sections."""
+    cfg = yaml.safe_load((ROOT / "configs" / f"{name}.yaml").read_text())
     cfg["run"] = {"id": run_id, "dir": str(tmp_path / "runs"), "seed": 0, "restart_delay_s": 1.0}
     cfg.pop("nats", None)
     for m in cfg["models"].values():
@@ -83,26 +85,23 @@ def pool_fault_config(tmp_path: Path, run_id: str, *, max_versions: int) -> Path
     cfg["paramsync"] = {"pause_timeout_s": 5.0, "load_timeout_s": 10.0}
     cfg["peers"] = {"probe_interval_s": 0.5, "probe_timeout_s": 1.0, "misses": 3, "accept_timeout_s": 3.0}
     cfg["metrics_interval_s"] = 1.0
+    for section, values in (patch or {}).items():
+        cfg[section].update(values)
     path = tmp_path / f"{run_id}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
+
+
+def pool_fault_config(tmp_path: Path, run_id: str, *, max_versions: int) -> Path:
+    """configs/pool-tiny.yaml (four models, a training pool of two slots) with the fault config's timeouts."""
+    return shipped_fault_config(tmp_path, run_id, "pool-tiny", max_versions=max_versions)
 
 
 def marft_fault_config(tmp_path: Path, run_id: str, *, max_versions: int) -> Path:
     """configs/marft-tiny.yaml (MARFT: a critic service, agent-by-agent steps) with the fault config's timeouts."""
-    cfg = yaml.safe_load((ROOT / "configs" / "marft-tiny.yaml").read_text())
-    cfg["run"] = {"id": run_id, "dir": str(tmp_path / "runs"), "seed": 0, "restart_delay_s": 1.0}
-    cfg.pop("nats", None)
-    for m in cfg["models"].values():
-        m["rollouter"]["request_timeout_s"] = 10.0
-    cfg["train"].update({"max_versions": max_versions, "checkpoint_every": 0, "ack_wait_s": 10.0})
-    cfg["marft"]["agent_interval"] = 1  # agent by agent: a model that is not selected takes a null step
-    cfg["paramsync"] = {"pause_timeout_s": 5.0, "load_timeout_s": 10.0}
-    cfg["peers"] = {"probe_interval_s": 0.5, "probe_timeout_s": 1.0, "misses": 3, "accept_timeout_s": 3.0}
-    cfg["metrics_interval_s"] = 1.0
-    path = tmp_path / f"{run_id}.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
+    # agent by agent: a model that is not selected takes a null step
+    return shipped_fault_config(tmp_path, run_id, "marft-tiny", max_versions=max_versions,
+                                patch={"marft": {"agent_interval": 1}})
 
 
 @dataclass

@@ -108,9 +108,10 @@ class Ledger:
 
     async def close(self) -> None:
         if self._poll is not None:
+            # Cancelled in the middle of a request to a broker that was killed, the poll may not end (nats-py's
+            # reconnect holds it): it gets 5 s, as the close below does, and is left behind after that.
             self._poll.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._poll
+            await asyncio.wait({self._poll}, timeout=5)
         if self.nc is not None:
             # Closing a client of a broker that was killed can wait for ever on its transport (a reconnect stuck in
             # wait_closed, nats-io/nats.py#671) or end cancelled from inside nats-py: it runs as a task of its own,
