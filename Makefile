@@ -73,9 +73,11 @@ test: venv
 	$(BIN)/pytest -q -p no:cacheprovider -n 2 tests/unit tests/integration
 	$(BIN)/pytest -q -p no:cacheprovider --durations 8 --ignore=tests/unit --ignore=tests/integration
 
-# A minute at concurrency 64 with a flat JetStream consumer count (CI runs it beside `make test`; `make faults` too).
+# The runs kept out of make test's 20 minutes, which CI runs beside it: a minute at concurrency 64 with a flat
+# JetStream consumer count, the tiny run under the decoupled and REINFORCE++ objectives, a killed run resumed.
 test-long: venv
-	$(BIN)/pytest -q -p no:cacheprovider -m full "tests/faults/test_long_run.py::test_the_tiny_run_at_concurrency_64_keeps_training_with_a_flat_consumer_count[1min]"
+	$(BIN)/pytest -q -p no:cacheprovider -m full --durations 4 tests/e2e/test_objectives.py tests/faults/test_resume.py \
+		"tests/faults/test_long_run.py::test_the_tiny_run_at_concurrency_64_keeps_training_with_a_flat_consumer_count[1min]"
 
 # The tests that need ucxx (marked ucx; `make test` deselects them). They fail, not skip, without it.
 test-ucx: venv-ucx

@@ -19,6 +19,8 @@ STEP_METRICS = ("loss", "grad_norm", "tokens", "clip_frac", "dual_clip_frac", "r
                 "is_weight_mean", "is_weight_max", "entropy")
 
 
+# two minutes together: CI runs them in `make test-long`, beside `make test`
+@pytest.mark.full
 @pytest.mark.parametrize(("train", "extra_metrics"), [
     ({"loss": "decoupled", "behav_imp_weight_cap": 5.0, "loss_agg": "token-mean", "entropy_coef": 0.001,
       "kl_coef": 0.01, "kl_estimator": "k3"},

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import nats
+import pytest
 import yaml
 
 from shared.kernel.bus import kv_get_int
@@ -51,6 +52,8 @@ async def wait_for(cond, timeout_s: float, what: str, proc: subprocess.Popen[byt
     raise AssertionError(f"no {what} within {timeout_s:.0f}s")
 
 
+# CI runs it in `make test-long` (and `make faults`), beside `make test`
+@pytest.mark.full
 async def test_a_killed_run_resumes_from_its_last_commit_and_trains_nothing_twice(tmp_path, run_id):
     await killed_and_resumed(tmp_path, run_id, fault_config(tmp_path, run_id, max_versions=MAX_VERSIONS))
 
