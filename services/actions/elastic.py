@@ -20,6 +20,12 @@ of the queue estimated at minimum units through the completion heap, the first o
 smallest unit counts) keeps falling. Evicting the whole group (t = |C_j|) lets the head wait for the next
 completion, still first in the queue.
 
+Chorus's extensions (:class:`Policy`, each off in :data:`PAPER`, each measured against it by
+``loadtests/bench_actions.py``): an estimate that counts the units a running action frees when it ends, not one
+completion per action whatever it holds (``freed_units``); shortest-expected-first order of the queue with an ageing
+bound (``order="sef"``, ``age_s``); and malleable suites (:class:`MalleableSuite`), whose cases are handed to cores
+as they free up.
+
 Where this code reads the listings differently from their letter, the reason is given where it happens and in
 docs/actions.md: the estimate uses one copy of the heap per ``depth`` choice; DPArrange takes the best DP state
 using at most the free units (a discrete unit set may not reach exactly all of them); the head is never evicted
@@ -290,6 +296,79 @@ def estimate(heap: Sequence[float], rest: Sequence[Action], depth: int, resource
     return best
 
 
+def estimate_units(running: Sequence[tuple[float, int]], free: int, rest: Sequence[Action], depth: int) -> float:
+    """Chorus's estimate: like :func:`estimate`, but a waiting action starts once as many units as its minimum (the
+    first of them: each of its ``depth`` smallest counts) are free, counting the units each running action frees at
+    its end (``running``: (remaining seconds, units)) and the ``free`` units nobody holds now. The paper's estimate
+    counts one completion per running action whatever it holds, so many actions started on one unit each look
+    cheap to the queue behind them."""
+    if not rest:
+        return 0.0
+    first = rest[0]
+    choices = first.cost[first.key].smallest(max(depth, 1)) if first.scalable() else [None]
+    choices = choices or [None]
+    best = INF
+    for d in choices:
+        events = [(t, u) for t, u in running if u > 0]
+        if free > 0:
+            events.append((0.0, free))
+        heapq.heapify(events)
+        obj = 0.0
+        for i, a in enumerate(rest):
+            need = d if i == 0 and d is not None else (a.cost[a.key].min if a.key is not None else 1)
+            t = a.get_dur(d) if i == 0 and d is not None else a.get_dur()
+            got, start = 0, 0.0
+            while got < need and events:
+                ts, u = heapq.heappop(events)
+                got, start = got + u, ts
+            if got > need:
+                heapq.heappush(events, (start, got - need))
+            obj += start + t
+            held = min(got, need)  # less than its minimum only where the resource has fewer units in all
+            if held > 0:
+                heapq.heappush(events, (start + t, held))
+        best = min(best, obj)
+    return best
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The scheduler's settings beyond ``depth``. :data:`PAPER` is ARL-Tangram's Algorithms 1-3 as published;
+    :data:`CHORUS` turns on Chorus's extensions (docs/actions.md).
+
+    - ``freed_units``: Algorithm 2's estimate through :func:`estimate_units` (units freed) instead of
+      :func:`estimate` (completions).
+    - ``order``: ``fcfs`` (the paper) or ``sef``: shortest expected duration at minimum units first (a tool call
+      ahead of a test suite when their profiled durations say so; an action without a profile counts as 0 s), but
+      an action that has waited ``age_s`` goes ahead of every younger one, the aged in arrival order: nothing waits
+      behind younger work past the bound.
+    """
+
+    freed_units: bool = False
+    order: str = "fcfs"
+    age_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.order not in ("fcfs", "sef"):
+            raise ValueError(f"queue order {self.order!r} is not fcfs or sef")
+        if self.age_s < 0:
+            raise ValueError(f"the ageing bound must be >= 0 s, got {self.age_s}")
+
+
+PAPER = Policy()
+CHORUS = Policy(freed_units=True, order="sef")
+
+
+def order_queue(waiting: Sequence[Action], now: float, policy: Policy) -> list[Action]:
+    """The queue in the order Algorithm 1 reads it: as given (FCFS) or :class:`Policy` ``sef`` with ageing."""
+    if policy.order == "fcfs":
+        return list(waiting)
+    aged = [a for a in waiting if now - a.arrival >= policy.age_s]
+    young = [(a.get_dur(), i, a) for i, a in enumerate(waiting) if now - a.arrival < policy.age_s]
+    young.sort(key=lambda x: (x[0], x[1]))
+    return [*aged, *(a for _, _, a in young)]
+
+
 @dataclass
 class Objective:
     """getApproximatedObjective(C_j, R_j) of one prefix: exact + approximated ACTs, and the prefix's allocation."""
@@ -298,13 +377,18 @@ class Objective:
     arrangement: Arrangement
 
 
-def approximated_objective(dp: DPArrange, count: int, rest: Sequence[Action], executing: Sequence[float],
-                           depth: int, resource: str, free: int) -> Objective:
+def approximated_objective(dp: DPArrange, count: int, rest: Sequence[Action], executing: Sequence[float | tuple[float, int]],
+                           depth: int, resource: str, free: int, freed_units: bool = False) -> Objective:
     """Algorithm 2's ``getApproximatedObjective``: the candidates' exact ACTs from DPArrange (they start now) plus
     the estimate of ``rest`` (the other waiting actions of this key resource, evicted candidates first) over the
-    completion heap of the executing actions and the arranged candidates."""
+    completion heap of the executing actions and the arranged candidates (``freed_units``: over the units they
+    free, :func:`estimate_units`). ``executing``: remaining seconds, or (remaining seconds, units held)."""
     arr = dp.arrange(count)
-    new_heap = [*executing, *arr.durations]
+    if freed_units:
+        running = [(e, 1) if isinstance(e, int | float) else (float(e[0]), int(e[1])) for e in executing]
+        running += list(zip(arr.durations, arr.units, strict=True))
+        return Objective(arr.total + estimate_units(running, free - sum(arr.units), rest, depth), arr)
+    new_heap = [*(e if isinstance(e, int | float) else float(e[0]) for e in executing), *arr.durations]
     return Objective(arr.total + estimate(new_heap, rest, depth, resource, free), arr)
 
 
@@ -333,13 +417,18 @@ def fits(free: Mapping[str, int]) -> Accommodate:
     return accommodate
 
 
-def schedule(waiting: Sequence[Action], free: Mapping[str, int], executing: Mapping[str, Sequence[float]] | None = None,
-             depth: int = 2, accommodate: Accommodate | None = None) -> Decision:
+def schedule(waiting: Sequence[Action], free: Mapping[str, int],
+             executing: Mapping[str, Sequence[float | tuple[float, int]]] | None = None,
+             depth: int = 2, accommodate: Accommodate | None = None, policy: Policy = PAPER,
+             now: float = 0.0) -> Decision:
     """Algorithm 1 over the waiting queue ``waiting`` (FCFS order) and the free units ``free`` of each resource type
-    R_j. ``executing[r]``: the remaining durations of the actions running on resource r (the completion heap).
-    ``accommodate``: R.accommodate of the resource manager's topology (default: sums of minimums fit)."""
+    R_j. ``executing[r]``: the remaining durations of the actions running on resource r (the completion heap), each
+    a float or (remaining seconds, units held). ``accommodate``: R.accommodate of the resource manager's topology
+    (default: sums of minimums fit). ``policy``: the paper's (default) or with Chorus's extensions; ``now`` (the
+    clock of the actions' ``arrival``) serves its ageing bound."""
     executing = executing or {}
     accommodate = accommodate or fits(free)
+    waiting = order_queue(waiting, now, policy)
     # line 3: C <- W[:n], n = max{i | R.accommodate(W[:i])}, at minimum units
     n = 0
     mins: list[dict[str, int]] = []
@@ -371,7 +460,8 @@ def schedule(waiting: Sequence[Action], free: Mapping[str, int], executing: Mapp
         dp = DPArrange(group, key, units_left)
         heap = list(executing.get(key, ()))
         # line 8: obj <- getApproximatedObjective(C_j, R_j)
-        best = approximated_objective(dp, len(group), rest_all, heap, depth, key, units_left)
+        units = policy.freed_units
+        best = approximated_objective(dp, len(group), rest_all, heap, depth, key, units_left, units)
         kept = len(group)
         # line 9: t = 1 -> |C_j|; t = |C_j| evicts the whole group, the head too: it then waits for the next
         # completion, still first in the queue. With nothing running on the key resource no completion would wake
@@ -379,7 +469,7 @@ def schedule(waiting: Sequence[Action], free: Mapping[str, int], executing: Mapp
         last = len(group) if heap else len(group) - 1
         for t in range(1, last + 1):
             count = len(group) - t
-            new = approximated_objective(dp, count, [*group[count:], *rest_all], heap, depth, key, units_left)
+            new = approximated_objective(dp, count, [*group[count:], *rest_all], heap, depth, key, units_left, units)
             if new.value >= best.value:  # line 11: stop once eviction no longer lowers the objective
                 break
             best, kept = new, count  # line 12
@@ -397,3 +487,58 @@ def total_units(decision: Decision) -> dict[str, int]:
         for r, u in units.items():
             out[r] = out.get(r, 0) + u
     return out
+
+
+# --- Chorus's malleable suites ------------------------------------------------------------------------------------------
+class MalleableSuite:
+    """A test suite whose ``cases`` are handed to the cores it holds one at a time, so that its degree of parallelism
+    grows when cores free up and shrinks at case boundaries when others wait (Chorus's extension; a suite of the
+    paper keeps the cores it started with). Pure bookkeeping: the caller runs the cases and keeps the clock.
+
+    Invariants: ``running <= held <= max_units``, and ``pending + running + done == cases``."""
+
+    def __init__(self, cases: int, max_units: int) -> None:
+        if cases < 1 or max_units < 1:
+            raise ValueError(f"a malleable suite needs cases >= 1 and max_units >= 1, got {cases} and {max_units}")
+        self.cases = cases
+        self.max_units = max_units
+        self.pending = cases
+        self.running = 0
+        self.done = 0
+        self.held = 0
+        self.peak = 0  # the most cores it held at once
+
+    def wanted(self) -> int:
+        """Cores it could use beyond those it holds: one per case not yet run, up to ``max_units``."""
+        return max(0, min(self.max_units, self.pending + self.running) - self.held)
+
+    def grant(self, n: int) -> int:
+        """Take up to ``n`` more cores (no more than :meth:`wanted`); returns how many it took."""
+        took = max(0, min(n, self.wanted()))
+        self.held += took
+        self.peak = max(self.peak, self.held)
+        return took
+
+    def start_cases(self) -> int:
+        """Start a case on every held core without one; returns how many started."""
+        k = min(self.pending, self.held - self.running)
+        self.pending -= k
+        self.running += k
+        return k
+
+    def case_done(self, others_wait: bool) -> bool:
+        """A case ended on one of its cores. Returns True when the suite gives that core back: nothing left to start
+        on it, or ``others_wait`` and the suite keeps at least one core. Otherwise the caller starts the next case
+        on it (:meth:`start_cases`)."""
+        if self.running < 1:
+            raise ValueError("case_done with no case running")
+        self.running -= 1
+        self.done += 1
+        if self.pending == 0 or (others_wait and self.held > 1):
+            self.held -= 1
+            return True
+        return False
+
+    @property
+    def finished(self) -> bool:
+        return self.done == self.cases

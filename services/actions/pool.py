@@ -20,7 +20,7 @@ from typing import Any
 import msgpack
 import structlog
 
-from services.actions.elastic import Action, DurationProfile, Elasticity, Units, schedule
+from services.actions.elastic import CHORUS, PAPER, Action, DurationProfile, Elasticity, Units, schedule
 from services.actions.resources import CpuManager, local_node
 from services.actions.scheduler import FcfsScheduler
 
@@ -211,20 +211,25 @@ def formulate(kind: str, payload: dict[str, Any], budget: int, profile: Duration
     return profile.fill(action)
 
 
+POLICIES = ("elastic", "chorus", "fcfs")
+
+
 class WorkerPool:
     """``size`` persistent workers over a budget of ``size`` cores; :meth:`run` waits for cores, then runs on an
     idle worker bound to exactly them.
 
     ``policy="elastic"``: ARL-Tangram's scheduler (:func:`services.actions.elastic.schedule`) decides in rounds —
     one per event-loop turn with a change (an arrival or a completion), over the queue gathered by then — which
-    waiting actions start and with how many cores; an elastic kind gets its degree of parallelism. ``"fcfs"``: one
-    core per action in arrival order (no backfilling), the baseline.
+    waiting actions start and with how many cores; an elastic kind gets its degree of parallelism. ``"chorus"``:
+    the same with Chorus's extensions (:data:`services.actions.elastic.CHORUS`: the estimate counts the cores a
+    running action frees, shortest expected action first with an ageing bound). ``"fcfs"``: one core per action in
+    arrival order (no backfilling), the baseline.
     """
 
     def __init__(self, size: int, memory_mb: int, python: str = sys.executable, policy: str = "elastic",
                  depth: int = 2) -> None:
-        if policy not in ("elastic", "fcfs"):
-            raise ValueError(f"scheduling policy {policy!r} is not elastic or fcfs")
+        if policy not in POLICIES:
+            raise ValueError(f"scheduling policy {policy!r} is not one of {', '.join(POLICIES)}")
         self.policy = policy
         self.depth = depth
         self.size = size
@@ -237,7 +242,7 @@ class WorkerPool:
         self.profile = DurationProfile()
         self.acts = ActBook()
         self._waiting: list[tuple[Action, asyncio.Future[list[int]]]] = []
-        self._ends: dict[int, float] = {}  # running action -> its expected end (monotonic)
+        self._ends: dict[int, tuple[float, int]] = {}  # running action -> its expected end (monotonic), its cores
         self._round_due = False
 
     @property
@@ -271,6 +276,7 @@ class WorkerPool:
                     self.cpu.release("local", cores)
             return self._account(kind, 1, outcome, queue_s, submitted)
         action = formulate(kind, payload, self.size, self.profile)
+        action.arrival = submitted
         fut: asyncio.Future[list[int]] = asyncio.get_running_loop().create_future()
         self._waiting.append((action, fut))
         self._ask_round()
@@ -283,7 +289,7 @@ class WorkerPool:
             self._ask_round()
             raise
         key = id(fut)
-        self._ends[key] = time.monotonic() + action.get_dur(len(cores))
+        self._ends[key] = (time.monotonic() + action.get_dur(len(cores)), len(cores))
         queue_s = time.monotonic() - submitted
         try:
             elastic = kind in ELASTIC
@@ -316,7 +322,8 @@ class WorkerPool:
             return
         now = time.monotonic()
         decision = schedule([a for a, _ in self._waiting], {"cpu": free},
-                            {"cpu": [max(0.0, end - now) for end in self._ends.values()]}, depth=self.depth)
+                            {"cpu": [(max(0.0, end - now), n) for end, n in self._ends.values()]}, depth=self.depth,
+                            policy=CHORUS if self.policy == "chorus" else PAPER, now=now)
         started = {id(a): units["cpu"] for a, units in decision.start}
         left = []
         for action, fut in self._waiting:

@@ -569,8 +569,9 @@ class MqConfig(Section):
 class ActionsConfig(Section):
     cores: int = Field(default=1, ge=1)  # CPU core budget: worker subprocesses
     # elastic: ARL-Tangram's action-level scheduler (docs/actions.md), an elastic kind gets 1..cores cores;
-    # fcfs: one core per action in arrival order
-    scheduler: Literal["elastic", "fcfs"] = "elastic"
+    # chorus: the same with Chorus's extensions (the estimate counts freed cores; shortest expected action first,
+    # with an ageing bound); fcfs: one core per action in arrival order
+    scheduler: Literal["elastic", "chorus", "fcfs"] = "elastic"
     timeout_s: float = Field(default=5.0, gt=0)
     memory_mb: int = Field(default=512, ge=16)
 
