@@ -19,8 +19,9 @@ against the best of the other five policies there.
 
 Part b: the actions service on `--cores` cores of this machine (an embedded nats-server), fed a trace of real CPU
 work (tool calls of `cpu_affinity` busy loops, elastic `cpu_tests` suites whose cases run in parallel across the
-cores they get), each action its own request, under `actions.scheduler` fcfs, elastic and chorus in alternation;
-it prints the mean ACT of each (median of `--real-repeats`) and their ratios.
+cores they get), each action its own request, under `actions.scheduler` fcfs, elastic and chorus, and chorus with
+`actions.malleable`, in alternation; it prints the mean ACT of each (median of `--real-repeats`), per kind, and
+their ratios.
 """
 
 from __future__ import annotations
@@ -197,7 +198,8 @@ async def real_once(policy: str, cores: int, trace: list[tuple[float, str, dict[
         cfg_path = Path(tmp) / "c.yaml"
         cfg_path.write_text(f"run: {{id: bench, dir: {tmp}}}\nmodels: {{a: {{}}}}\n"
                             "agents: {solver: {model: a}, verifier: {model: a}}\n"
-                            f"actions: {{cores: {cores}, scheduler: {policy}, timeout_s: 60, memory_mb: 512}}\n")
+                            f"actions: {{cores: {cores}, scheduler: {policy.split('+')[0]}, timeout_s: 60, "
+                            f"memory_mb: 512, malleable: {str(policy.endswith('+malleable')).lower()}}}\n")
         svc = ActionsService(load_config(cfg_path), nats_url=server.url)
         task = asyncio.create_task(svc.serve())
         while getattr(svc, "_sub", None) is None:
@@ -215,6 +217,7 @@ async def real_once(policy: str, cores: int, trace: list[tuple[float, str, dict[
             res = decode(ActionResult, msg.data)
             assert res.error is None and res.errors == [None], res
             acts.append(time.monotonic() - t)
+            REAL_KIND.setdefault(policy, {}).setdefault(kind, []).append(acts[-1])
             if kind == "cpu_tests":
                 spread.append(int(res.results[0]["parallelism"]))
 
@@ -227,6 +230,7 @@ async def real_once(policy: str, cores: int, trace: list[tuple[float, str, dict[
 
 
 REAL_SPREAD: dict[str, list[int]] = {}
+REAL_KIND: dict[str, dict[str, list[float]]] = {}  # policy -> kind -> ACTs over every repeat
 
 
 def real(cores: int, repeats: int) -> None:
@@ -242,14 +246,18 @@ def real(cores: int, repeats: int) -> None:
     for policy, ks in REAL_SPREAD.items():
         print(f"  {policy}: test suites ran on " + ", ".join(f"{k} core{'s' if k > 1 else ''} x{ks.count(k)}"
                                                               for k in sorted(set(ks))))
+    for policy, kinds in REAL_KIND.items():
+        print(f"  {policy}: mean ACT " + ", ".join(f"{k} {statistics.mean(v):.3f}s (n {len(v)})"
+                                                  for k, v in sorted(kinds.items())))
     med = {p: statistics.median(v) for p, v in got.items()}
     best = min(med, key=lambda p: med[p])
     print(f"real run, median of {repeats}: mean ACT " + ", ".join(f"{p} {v:.3f}s" for p, v in med.items())
           + f": ratio act_fcfs_vs_elastic={med['fcfs'] / med['elastic']:.2f} "
-          f"act_fcfs_vs_chorus={med['fcfs'] / med['chorus']:.2f} fastest={best}")
+          f"act_fcfs_vs_chorus={med['fcfs'] / med['chorus']:.2f} "
+          f"act_fcfs_vs_malleable={med['fcfs'] / med['chorus+malleable']:.2f} fastest={best}")
 
 
-REAL_POLICIES = ("fcfs", "elastic", "chorus")
+REAL_POLICIES = ("fcfs", "elastic", "chorus", "chorus+malleable")
 
 
 if __name__ == "__main__":

@@ -13,14 +13,24 @@ import struct
 import sys
 import time
 from collections import Counter, deque
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import msgpack
 import structlog
 
-from services.actions.elastic import CHORUS, PAPER, Action, DurationProfile, Elasticity, Units, schedule
+from services.actions.elastic import (
+    CHORUS,
+    PAPER,
+    Action,
+    DurationProfile,
+    Elasticity,
+    MalleableSuite,
+    Units,
+    schedule,
+)
 from services.actions.resources import CpuManager, local_node
 from services.actions.scheduler import FcfsScheduler
 
@@ -214,6 +224,31 @@ def formulate(kind: str, payload: dict[str, Any], budget: int, profile: Duration
 POLICIES = ("elastic", "chorus", "fcfs")
 
 
+def malleable_payload(kind: str, payload: dict[str, Any]) -> bool:
+    """A ``cpu_tests`` suite whose cases the pool can hand out one at a time (anything else, or a payload the kind
+    would refuse, runs whole: the worker then answers with the kind's own error)."""
+    cases, case_s, serial_s = payload.get("cases", 1), payload.get("case_s", 0.1), payload.get("serial_s", 0.0)
+    return (kind == "cpu_tests" and isinstance(cases, int) and 1 <= cases <= 10_000
+            and all(isinstance(v, int | float) and 0 <= v <= 60 for v in (case_s, serial_s)))
+
+
+@dataclass
+class _Suite:
+    """A malleable suite in flight in the pool: its bookkeeping, the cores it holds, its lanes (one per core with a
+    case running), what its cases gave."""
+
+    book: MalleableSuite
+    held: list[int]
+    case_s: float
+    deadline: float
+    expected: Callable[[int], float]  # seconds left at a number of cores, for the completion heap
+    lanes: set[asyncio.Task[None]] = field(default_factory=set)
+    passed: int = 0
+    error: str | None = None
+    cases_phase: bool = False
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+
 class WorkerPool:
     """``size`` persistent workers over a budget of ``size`` cores; :meth:`run` waits for cores, then runs on an
     idle worker bound to exactly them.
@@ -223,14 +258,16 @@ class WorkerPool:
     waiting actions start and with how many cores; an elastic kind gets its degree of parallelism. ``"chorus"``:
     the same with Chorus's extensions (:data:`services.actions.elastic.CHORUS`: the estimate counts the cores a
     running action frees, shortest expected action first with an ageing bound). ``"fcfs"``: one core per action in
-    arrival order (no backfilling), the baseline.
+    arrival order (no backfilling), the baseline. ``malleable`` (elastic and chorus): a ``cpu_tests`` suite's cases
+    are handed to its cores one at a time (:meth:`_malleable`).
     """
 
     def __init__(self, size: int, memory_mb: int, python: str = sys.executable, policy: str = "elastic",
-                 depth: int = 2) -> None:
+                 depth: int = 2, malleable: bool = False) -> None:
         if policy not in POLICIES:
             raise ValueError(f"scheduling policy {policy!r} is not one of {', '.join(POLICIES)}")
         self.policy = policy
+        self.malleable = malleable and policy != "fcfs"
         self.depth = depth
         self.size = size
         self.scheduler = FcfsScheduler(size)
@@ -243,6 +280,7 @@ class WorkerPool:
         self.acts = ActBook()
         self._waiting: list[tuple[Action, asyncio.Future[list[int]]]] = []
         self._ends: dict[int, tuple[float, int]] = {}  # running action -> its expected end (monotonic), its cores
+        self._suites: dict[int, _Suite] = {}  # malleable suites running (policy chorus)
         self._round_due = False
 
     @property
@@ -288,6 +326,8 @@ class WorkerPool:
             self._waiting = [(a, f) for a, f in self._waiting if f is not fut]
             self._ask_round()
             raise
+        if self.malleable and malleable_payload(kind, payload):
+            return await self._malleable(kind, payload, timeout_s, action, cores, submitted)
         key = id(fut)
         self._ends[key] = (time.monotonic() + action.get_dur(len(cores)), len(cores))
         queue_s = time.monotonic() - submitted
@@ -302,6 +342,110 @@ class WorkerPool:
             self.cpu.release("local", cores)
             self._ask_round()
         return self._account(kind, len(cores), outcome, queue_s, submitted)
+
+    async def _malleable(self, kind: str, payload: dict[str, Any], timeout_s: float, action: Action,
+                         cores: list[int], submitted: float) -> Outcome:
+        """Chorus's malleable suite (:class:`services.actions.elastic.MalleableSuite`): its serial part on one of
+        the cores it was given, then each case on whichever core it holds when the case is due; at a case boundary
+        a core goes back when other actions wait (the suite keeps one), and idle cores join it while nobody waits
+        (:meth:`_grow`). Each case is one call of the kind with one case on one core."""
+        queue_s = time.monotonic() - submitted
+        t0 = time.monotonic()
+        cases = int(payload.get("cases", 1))
+        book = MalleableSuite(cases, action.cost["cpu"].hi or self.size)
+        took = book.grant(len(cores))
+        if took < len(cores):  # more cores than cases: the rest go back at once
+            self.cpu.release("local", cores[took:])
+            cores = cores[:took]
+        case_s = float(payload.get("case_s", 0.1))
+        suite = _Suite(book, list(cores), case_s, t0 + timeout_s,
+                       lambda n: (book.pending + book.running) * case_s / max(n, 1))
+        key = id(suite)
+        self._suites[key] = suite
+        self._ends[key] = (t0 + action.get_dur(took), took)
+        try:
+            serial = await self._execute(kind, {"cases": 1, "case_s": 0.0, "serial_s": payload.get("serial_s", 0.0),
+                                                "parallelism": 1}, timeout_s, cores[:1])
+            if serial.error is not None:
+                suite.error = serial.error
+            else:
+                suite.cases_phase = True
+                self._lanes(suite, suite.held[:book.start_cases()])
+                await suite.done.wait()
+        finally:
+            for task in suite.lanes:
+                task.cancel()
+            if suite.held:
+                self.cpu.release("local", suite.held)
+            suite.held = []
+            self._suites.pop(key, None)
+            self._ends.pop(key, None)
+            self._ask_round()
+        seconds = time.monotonic() - t0
+        if suite.error is not None:
+            outcome = Outcome(None, suite.error, seconds, seconds)
+        else:
+            self.profile.observe(action, book.peak, seconds)
+            outcome = Outcome({"cases": cases, "passed": suite.passed, "parallelism": book.peak, "malleable": True,
+                               "seconds": seconds}, None, seconds, seconds)
+        return self._account(kind, book.peak, outcome, queue_s, submitted)
+
+    def _lanes(self, suite: _Suite, cores: list[int]) -> None:
+        for core in cores:
+            task = asyncio.get_running_loop().create_task(self._lane(suite, core))
+            suite.lanes.add(task)
+            task.add_done_callback(suite.lanes.discard)
+
+    async def _lane(self, suite: _Suite, core: int) -> None:
+        """One core of a malleable suite: a case at a time until the suite gives the core back."""
+        try:
+            while True:
+                left = suite.deadline - time.monotonic()
+                if left <= 0:
+                    out = Outcome(None, "timeout: the suite's time ran out between two of its cases", 0.0)
+                else:
+                    out = await self._execute("cpu_tests", {"cases": 1, "case_s": suite.case_s, "serial_s": 0.0,
+                                                            "parallelism": 1}, left, [core])
+                if out.error is not None:
+                    suite.error = suite.error or out.error
+                elif out.result is not None:
+                    suite.passed += int(out.result.get("passed", 0))
+                released = suite.book.case_done(others_wait=bool(self._waiting))
+                if suite.error is not None and not released:
+                    suite.book.held -= 1  # a failed suite runs nothing more: every core goes back
+                    released = True
+                if released:
+                    suite.held.remove(core)
+                    self.cpu.release("local", [core])
+                    self._ends[id(suite)] = (time.monotonic() + suite.expected(suite.book.held), suite.book.held)
+                    self._ask_round()
+                    return
+                suite.book.start_cases()  # the next case on this core
+        except Exception as exc:  # the suite ends with it (its cores go back in _malleable)
+            suite.error = suite.error or f"{type(exc).__name__}: {exc}"
+            suite.done.set()
+        finally:
+            if suite.book.running == 0 and not suite.lanes - {asyncio.current_task()}:
+                suite.done.set()
+
+    def _grow(self) -> None:
+        """Idle cores and nobody waiting: they join the running malleable suites with cases left, the one with the
+        least work left first."""
+        free = self.cpu.nodes["local"].free_cores()
+        for suite in sorted(self._suites.values(), key=lambda s: s.book.pending):
+            if free <= 0:
+                return
+            if not suite.cases_phase or suite.error is not None or suite.book.wanted() <= 0:
+                continue
+            n = min(free, suite.book.wanted())
+            cores = self.cpu.allocate("local", n)
+            if not cores:
+                return
+            suite.book.grant(len(cores))
+            suite.held.extend(cores)
+            free -= len(cores)
+            self._lanes(suite, cores[:suite.book.start_cases()])
+            self._ends[id(suite)] = (time.monotonic() + suite.expected(suite.book.held), suite.book.held)
 
     def _account(self, kind: str, cores: int, outcome: Outcome, queue_s: float, submitted: float) -> Outcome:
         outcome.queue_s = queue_s
@@ -318,6 +462,8 @@ class WorkerPool:
         self._round_due = False
         self._waiting = [(a, f) for a, f in self._waiting if not f.done()]
         free = self.cpu.nodes["local"].free_cores()
+        if not self._waiting and free > 0 and self._suites:
+            self._grow()
         if not self._waiting or free <= 0:
             return
         now = time.monotonic()
@@ -335,6 +481,8 @@ class WorkerPool:
             assert cores is not None  # the scheduler never allocates more than is free
             fut.set_result(cores)
         self._waiting = left
+        if self._suites and not left:
+            self._grow()
 
     async def _execute(self, kind: str, payload: dict[str, Any], timeout_s: float, cores: list[int]) -> Outcome:
         # At most `size` actions hold cores at once (each holds at least one), so an idle worker exists here.

@@ -34,7 +34,7 @@ class ActionsService(Service):
             self.log.warning(f"code actions run WITHOUT namespace isolation: {reason}")
         else:
             self.log.info("code actions run in Linux namespaces", isolation=reason)
-        self.pool = WorkerPool(acfg.cores, acfg.memory_mb, policy=acfg.scheduler)
+        self.pool = WorkerPool(acfg.cores, acfg.memory_mb, policy=acfg.scheduler, malleable=acfg.malleable)
         await self.pool.start()
         self._inflight: set[asyncio.Task[None]] = set()
         self._sub = await self.nc.subscribe(

@@ -571,7 +571,10 @@ class ActionsConfig(Section):
     # elastic: ARL-Tangram's action-level scheduler (docs/actions.md), an elastic kind gets 1..cores cores;
     # chorus: the same with Chorus's extensions (the estimate counts freed cores; shortest expected action first,
     # with an ageing bound); fcfs: one core per action in arrival order
-    scheduler: Literal["elastic", "chorus", "fcfs"] = "elastic"
+    scheduler: Literal["elastic", "chorus", "fcfs"] = "chorus"
+    # elastic and chorus: a cpu_tests suite's cases are handed to its cores one at a time, so that it gives a core
+    # back at a case boundary when others wait and takes idle ones while nobody does (a case per worker call)
+    malleable: bool = False
     timeout_s: float = Field(default=5.0, gt=0)
     memory_mb: int = Field(default=512, ge=16)
 

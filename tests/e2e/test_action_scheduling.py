@@ -1,5 +1,5 @@
 """`chorus up` with the solver -> coder -> refiner workflow on code tasks: the coder's and refiner's programs run in
-the actions service under ARL-Tangram's elastic scheduler (the default), and `chorus status` of the live run shows
+the actions service under Chorus's scheduler (the default: ARL-Tangram's with Chorus's extensions), and `chorus status` of the live run shows
 the action completion times (queue, execution, overhead) of run_code."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import yaml
 from tests.e2e.conftest import CHORUS, chorus_up, small_run_config
 
 
-async def test_solver_coder_refiner_runs_its_code_through_the_elastic_scheduler_and_status_shows_its_acts(
+async def test_solver_coder_refiner_runs_its_code_through_the_action_scheduler_and_status_shows_its_acts(
         nats_url, run_id, tmp_path):
     cfg_path = small_run_config(tmp_path, run_id, {
         "agents": {"solver": {"model": "solver_lm", "prompt": ""}, "coder": {"model": "verifier_lm", "prompt": ""},
@@ -54,4 +54,4 @@ async def test_solver_coder_refiner_runs_its_code_through_the_elastic_scheduler_
     kind = cells[cells.index("run_code"):]
     n, mean, p50, p99, queue, exe, overhead = int(kind[1]), *(float(x) for x in kind[2:8])
     assert n > 0 and exe > 0 and p50 <= p99 and abs(queue + exe + overhead - mean) < 2e-3, row
-    assert "elastic" in seen
+    assert "chorus" in seen  # the scheduler column

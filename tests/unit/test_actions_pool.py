@@ -494,3 +494,49 @@ async def test_a_slow_action_does_not_delay_a_fast_one_submitted_with_it():
         assert done["fast"] < done["slow"], done  # answered as soon as it ended, not with the slow one
     finally:
         await pool.close()
+
+
+async def test_a_malleable_suite_takes_idle_cores_and_gives_one_back_to_a_tool_call_at_a_case_boundary():
+    pool = WorkerPool(2, memory_mb=256, policy="chorus", malleable=True)
+    await pool.start()
+    try:
+        alone = await pool.run("cpu_tests", {"cases": 4, "case_s": 0.05, "t_ori": 0.2}, timeout_s=20)
+        assert alone.error is None, alone
+        assert alone.result == {**alone.result, "cases": 4, "passed": 4, "parallelism": 2, "malleable": True}
+        assert pool.cpu.nodes["local"].free_cores() == 2  # every core back
+
+        order: list[str] = []
+
+        async def suite() -> None:
+            out = await pool.run("cpu_tests", {"cases": 8, "case_s": 0.3, "t_ori": 2.4}, timeout_s=30)
+            assert out.error is None and out.result["passed"] == 8 and out.result["parallelism"] == 2, out
+            order.append("suite")
+
+        async def tool() -> None:
+            while len(pool.cpu.nodes["local"].busy) < 2:  # the suite holds both cores
+                await asyncio.sleep(0.01)
+            out = await pool.run("cpu_affinity", {"spin_s": 0.05}, timeout_s=10)
+            assert out.error is None, out
+            order.append("tool")
+
+        await asyncio.gather(suite(), tool())
+        # 8 cases of 0.3 s on two cores: the tool call got a core at the next case boundary, not at the suite's end
+        assert order == ["tool", "suite"]
+        assert pool.cpu.nodes["local"].free_cores() == 2
+    finally:
+        await pool.close()
+
+
+async def test_a_malleable_suite_out_of_time_fails_and_gives_every_core_back():
+    pool = WorkerPool(2, memory_mb=256, policy="chorus", malleable=True)
+    await pool.start()
+    try:
+        out = await pool.run("cpu_tests", {"cases": 10, "case_s": 0.4, "t_ori": 4.0}, timeout_s=0.9)
+        assert out.result is None and out.error is not None and "time" in out.error, out
+        assert pool.cpu.nodes["local"].free_cores() == 2
+        again = await pool.run("cpu_tests", {"cases": 2, "case_s": 0.01}, timeout_s=20)  # the pool serves on
+        assert again.error is None and again.result["passed"] == 2, again
+        bad = await pool.run("cpu_tests", {"cases": 0}, timeout_s=5)  # refused by the kind itself, run whole
+        assert bad.error is not None and "cases must be" in bad.error, bad
+    finally:
+        await pool.close()

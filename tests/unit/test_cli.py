@@ -537,7 +537,7 @@ async def test_status_shows_the_action_completion_times_of_a_live_actions_servic
         assert res.errors == [None] * 3
         text = _render(await _status(cfg, nats_url))
     rows = _table_rows(text)
-    assert ["0", "elastic", "0", "0/2", "resource cpu", "3"] == [c for c in rows if "resource cpu" in c][0][:6]
+    assert ["0", "chorus", "0", "0/2", "resource cpu", "3"] == [c for c in rows if "resource cpu" in c][0][:6]
     row = [r for r in rows if "cpu_tests" in r][0]
     kind = row[row.index("cpu_tests"):]  # the leading empty cells of a continuation row are stripped
     mean, p50, p99, queue, exe, overhead = (float(x) for x in kind[2:8])
