@@ -268,6 +268,14 @@ class DPArrange:
 
 
 # --- Appendix A: the approximated objective ----------------------------------------------------------------------------
+def _first_choices(rest: Sequence[Action], depth: int) -> list[int | None]:
+    """The unit counts the first waiting action tries in an estimate: its ``depth`` smallest feasible counts of its
+    key resource when it is scalable, else its minimum (None)."""
+    first = rest[0]
+    choices: list[int | None] = list(first.cost[first.key].smallest(max(depth, 1))) if first.scalable() else []
+    return choices or [None]
+
+
 def estimate(heap: Sequence[float], rest: Sequence[Action], depth: int, resource: str, free: int) -> float:
     """Algorithm 2's ``estimate``: the ACTs of the actions ``rest`` still waiting after the candidates, each at its
     minimum units in FCFS order, starting when the earliest slot of the completion heap frees; the first of them
@@ -279,11 +287,8 @@ def estimate(heap: Sequence[float], rest: Sequence[Action], depth: int, resource
     """
     if not rest:
         return 0.0
-    first = rest[0]
-    choices = first.cost[first.key].smallest(max(depth, 1)) if first.scalable() else [None]
-    choices = choices or [None]
     best = INF
-    for d in choices:  # line 10: d = 1 -> depth
+    for d in _first_choices(rest, depth):  # line 10: d = 1 -> depth
         tmp = list(heap)
         heapq.heapify(tmp)
         obj = 0.0
@@ -304,11 +309,8 @@ def estimate_units(running: Sequence[tuple[float, int]], free: int, rest: Sequen
     cheap to the queue behind them."""
     if not rest:
         return 0.0
-    first = rest[0]
-    choices = first.cost[first.key].smallest(max(depth, 1)) if first.scalable() else [None]
-    choices = choices or [None]
     best = INF
-    for d in choices:
+    for d in _first_choices(rest, depth):
         events = [(t, u) for t, u in running if u > 0]
         if free > 0:
             events.append((0.0, free))
