@@ -157,18 +157,25 @@ def cpu_affinity(payload: dict[str, Any]) -> dict[str, Any]:
     return {"cpus": sorted(os.sched_getaffinity(0)), "pid": os.getpid()}
 
 
-@register("cpu_tests")
-def cpu_tests(payload: dict[str, Any]) -> dict[str, Any]:
-    """An elastic test suite of real CPU work: ``serial_s`` seconds of setup on one core, then ``cases`` test cases
-    of ``case_s`` seconds each, run in parallel by ``parallelism`` processes (the cores the scheduler gave it; the
-    processes inherit the action's core binding). Every case passes; the result says how they were spread."""
+def tests_spec(payload: dict[str, Any]) -> tuple[int, float, float]:
+    """A ``cpu_tests`` suite's ``cases``, ``case_s`` and ``serial_s`` (defaults 1, 0.1, 0), checked: ValueError
+    names what is wrong."""
     cases, case_s, serial_s = payload.get("cases", 1), payload.get("case_s", 0.1), payload.get("serial_s", 0.0)
-    k = payload.get("parallelism", 1)
     if not isinstance(cases, int) or not 1 <= cases <= 10_000:
         raise ValueError(f"cpu_tests: cases must be an integer in [1, 10000], got {cases!r}")
     for name, value in (("case_s", case_s), ("serial_s", serial_s)):
         if not isinstance(value, int | float) or not 0 <= value <= 60:
             raise ValueError(f"cpu_tests: {name} must be seconds in [0, 60], got {value!r}")
+    return cases, float(case_s), float(serial_s)
+
+
+@register("cpu_tests")
+def cpu_tests(payload: dict[str, Any]) -> dict[str, Any]:
+    """An elastic test suite of real CPU work: ``serial_s`` seconds of setup on one core, then ``cases`` test cases
+    of ``case_s`` seconds each, run in parallel by ``parallelism`` processes (the cores the scheduler gave it; the
+    processes inherit the action's core binding). Every case passes; the result says how they were spread."""
+    cases, case_s, serial_s = tests_spec(payload)
+    k = payload.get("parallelism", 1)
     if not isinstance(k, int) or k < 1:
         raise ValueError(f"cpu_tests: parallelism must be a positive integer, got {k!r}")
     t0 = time.monotonic()

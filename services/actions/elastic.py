@@ -379,18 +379,17 @@ class Objective:
     arrangement: Arrangement
 
 
-def approximated_objective(dp: DPArrange, count: int, rest: Sequence[Action], executing: Sequence[float | tuple[float, int]],
+def approximated_objective(dp: DPArrange, count: int, rest: Sequence[Action], executing: Sequence[tuple[float, int]],
                            depth: int, resource: str, free: int, freed_units: bool = False) -> Objective:
     """Algorithm 2's ``getApproximatedObjective``: the candidates' exact ACTs from DPArrange (they start now) plus
     the estimate of ``rest`` (the other waiting actions of this key resource, evicted candidates first) over the
-    completion heap of the executing actions and the arranged candidates (``freed_units``: over the units they
-    free, :func:`estimate_units`). ``executing``: remaining seconds, or (remaining seconds, units held)."""
+    completion heap of the executing actions (remaining seconds, units held) and the arranged candidates
+    (``freed_units``: over the units they free, :func:`estimate_units`)."""
     arr = dp.arrange(count)
     if freed_units:
-        running = [(e, 1) if isinstance(e, int | float) else (float(e[0]), int(e[1])) for e in executing]
-        running += list(zip(arr.durations, arr.units, strict=True))
+        running = [*executing, *zip(arr.durations, arr.units, strict=True)]
         return Objective(arr.total + estimate_units(running, free - sum(arr.units), rest, depth), arr)
-    new_heap = [*(e if isinstance(e, int | float) else float(e[0]) for e in executing), *arr.durations]
+    new_heap = [*(t for t, _ in executing), *arr.durations]
     return Objective(arr.total + estimate(new_heap, rest, depth, resource, free), arr)
 
 
@@ -460,7 +459,9 @@ def schedule(waiting: Sequence[Action], free: Mapping[str, int],
         units_left = free.get(key, 0) - sum(a.min_units().get(key, 0) for a in candidates if id(a) not in members)
         rest_all = [a for a in waiting[n:] if a.key == key]  # AC_j = W.split(R_j) - C_j
         dp = DPArrange(group, key, units_left)
-        heap = list(executing.get(key, ()))
+        # the completion heap, each entry (remaining seconds, units held): a bare float holds one unit
+        heap = [(float(e), 1) if isinstance(e, int | float) else (float(e[0]), int(e[1]))
+                for e in executing.get(key, ())]
         # line 8: obj <- getApproximatedObjective(C_j, R_j)
         units = policy.freed_units
         best = approximated_objective(dp, len(group), rest_all, heap, depth, key, units_left, units)
@@ -528,15 +529,15 @@ class MalleableSuite:
         self.running += k
         return k
 
-    def case_done(self, others_wait: bool) -> bool:
+    def case_done(self, others_wait: bool, stop: bool = False) -> bool:
         """A case ended on one of its cores. Returns True when the suite gives that core back: nothing left to start
-        on it, or ``others_wait`` and the suite keeps at least one core. Otherwise the caller starts the next case
-        on it (:meth:`start_cases`)."""
+        on it, ``others_wait`` and the suite keeps at least one core, or ``stop`` (the suite runs nothing more: its
+        last core goes back too). Otherwise the caller starts the next case on it (:meth:`start_cases`)."""
         if self.running < 1:
             raise ValueError("case_done with no case running")
         self.running -= 1
         self.done += 1
-        if self.pending == 0 or (others_wait and self.held > 1):
+        if stop or self.pending == 0 or (others_wait and self.held > 1):
             self.held -= 1
             return True
         return False

@@ -13,7 +13,6 @@ import struct
 import sys
 import time
 from collections import Counter, deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ from typing import Any
 import msgpack
 import structlog
 
+from services.actions.actions import tests_spec
 from services.actions.elastic import (
     CHORUS,
     PAPER,
@@ -224,12 +224,16 @@ def formulate(kind: str, payload: dict[str, Any], budget: int, profile: Duration
 POLICIES = ("elastic", "chorus", "fcfs")
 
 
-def malleable_payload(kind: str, payload: dict[str, Any]) -> bool:
-    """A ``cpu_tests`` suite whose cases the pool can hand out one at a time (anything else, or a payload the kind
-    would refuse, runs whole: the worker then answers with the kind's own error)."""
-    cases, case_s, serial_s = payload.get("cases", 1), payload.get("case_s", 0.1), payload.get("serial_s", 0.0)
-    return (kind == "cpu_tests" and isinstance(cases, int) and 1 <= cases <= 10_000
-            and all(isinstance(v, int | float) and 0 <= v <= 60 for v in (case_s, serial_s)))
+def malleable_spec(kind: str, payload: dict[str, Any]) -> tuple[int, float, float] | None:
+    """A ``cpu_tests`` suite whose cases the pool can hand out one at a time: its cases, case_s and serial_s
+    (anything else, or a payload the kind refuses, is None and runs whole: the worker then answers with the kind's
+    own error)."""
+    if kind != "cpu_tests":
+        return None
+    try:
+        return tests_spec(payload)
+    except ValueError:
+        return None
 
 
 @dataclass
@@ -241,12 +245,16 @@ class _Suite:
     held: list[int]
     case_s: float
     deadline: float
-    expected: Callable[[int], float]  # seconds left at a number of cores, for the completion heap
     lanes: set[asyncio.Task[None]] = field(default_factory=set)
     passed: int = 0
     error: str | None = None
     cases_phase: bool = False
     done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def end(self) -> tuple[float, int]:
+        """Its entry in the completion heap: when its cases left end on the cores it holds, and those cores."""
+        b = self.book
+        return time.monotonic() + (b.pending + b.running) * self.case_s / max(b.held, 1), b.held
 
 
 class WorkerPool:
@@ -280,7 +288,7 @@ class WorkerPool:
         self.acts = ActBook()
         self._waiting: list[tuple[Action, asyncio.Future[list[int]]]] = []
         self._ends: dict[int, tuple[float, int]] = {}  # running action -> its expected end (monotonic), its cores
-        self._suites: dict[int, _Suite] = {}  # malleable suites running (policy chorus)
+        self._suites: dict[int, _Suite] = {}  # malleable suites running (``malleable``)
         self._round_due = False
 
     @property
@@ -326,8 +334,9 @@ class WorkerPool:
             self._waiting = [(a, f) for a, f in self._waiting if f is not fut]
             self._ask_round()
             raise
-        if self.malleable and malleable_payload(kind, payload):
-            return await self._malleable(kind, payload, timeout_s, action, cores, submitted)
+        spec = malleable_spec(kind, payload) if self.malleable else None
+        if spec is not None:
+            return await self._malleable(kind, spec, timeout_s, action, cores, submitted)
         key = id(fut)
         self._ends[key] = (time.monotonic() + action.get_dur(len(cores)), len(cores))
         queue_s = time.monotonic() - submitted
@@ -343,7 +352,7 @@ class WorkerPool:
             self._ask_round()
         return self._account(kind, len(cores), outcome, queue_s, submitted)
 
-    async def _malleable(self, kind: str, payload: dict[str, Any], timeout_s: float, action: Action,
+    async def _malleable(self, kind: str, spec: tuple[int, float, float], timeout_s: float, action: Action,
                          cores: list[int], submitted: float) -> Outcome:
         """Chorus's malleable suite (:class:`services.actions.elastic.MalleableSuite`): its serial part on one of
         the cores it was given, then each case on whichever core it holds when the case is due; at a case boundary
@@ -351,21 +360,19 @@ class WorkerPool:
         (:meth:`_grow`). Each case is one call of the kind with one case on one core."""
         queue_s = time.monotonic() - submitted
         t0 = time.monotonic()
-        cases = int(payload.get("cases", 1))
+        cases, case_s, serial_s = spec
         book = MalleableSuite(cases, action.cost["cpu"].hi or self.size)
         took = book.grant(len(cores))
         if took < len(cores):  # more cores than cases: the rest go back at once
             self.cpu.release("local", cores[took:])
             cores = cores[:took]
-        case_s = float(payload.get("case_s", 0.1))
-        suite = _Suite(book, list(cores), case_s, t0 + timeout_s,
-                       lambda n: (book.pending + book.running) * case_s / max(n, 1))
+        suite = _Suite(book, list(cores), case_s, t0 + timeout_s)
         key = id(suite)
         self._suites[key] = suite
         self._ends[key] = (t0 + action.get_dur(took), took)
         try:
-            serial = await self._execute(kind, {"cases": 1, "case_s": 0.0, "serial_s": payload.get("serial_s", 0.0),
-                                                "parallelism": 1}, timeout_s, cores[:1])
+            serial = await self._execute(kind, {"cases": 1, "case_s": 0.0, "serial_s": serial_s, "parallelism": 1},
+                                         timeout_s, cores[:1])
             if serial.error is not None:
                 suite.error = serial.error
             else:
@@ -410,14 +417,11 @@ class WorkerPool:
                     suite.error = suite.error or out.error
                 elif out.result is not None:
                     suite.passed += int(out.result.get("passed", 0))
-                released = suite.book.case_done(others_wait=bool(self._waiting))
-                if suite.error is not None and not released:
-                    suite.book.held -= 1  # a failed suite runs nothing more: every core goes back
-                    released = True
-                if released:
+                # a failed suite runs nothing more: every core goes back
+                if suite.book.case_done(others_wait=bool(self._waiting), stop=suite.error is not None):
                     suite.held.remove(core)
                     self.cpu.release("local", [core])
-                    self._ends[id(suite)] = (time.monotonic() + suite.expected(suite.book.held), suite.book.held)
+                    self._ends[id(suite)] = suite.end()
                     self._ask_round()
                     return
                 suite.book.start_cases()  # the next case on this core
@@ -445,7 +449,7 @@ class WorkerPool:
             suite.held.extend(cores)
             free -= len(cores)
             self._lanes(suite, cores[:suite.book.start_cases()])
-            self._ends[id(suite)] = (time.monotonic() + suite.expected(suite.book.held), suite.book.held)
+            self._ends[id(suite)] = suite.end()
 
     def _account(self, kind: str, cores: int, outcome: Outcome, queue_s: float, submitted: float) -> Outcome:
         outcome.queue_s = queue_s
@@ -462,10 +466,13 @@ class WorkerPool:
         self._round_due = False
         self._waiting = [(a, f) for a, f in self._waiting if not f.done()]
         free = self.cpu.nodes["local"].free_cores()
-        if not self._waiting and free > 0 and self._suites:
-            self._grow()
-        if not self._waiting or free <= 0:
-            return
+        if self._waiting and free > 0:
+            self._start_waiting(free)
+        if self._suites and not self._waiting:
+            self._grow()  # idle cores and nobody waiting: the malleable suites take them
+
+    def _start_waiting(self, free: int) -> None:
+        """Algorithm 1 over the waiting actions and the ``free`` cores: the chosen ones get their cores."""
         now = time.monotonic()
         decision = schedule([a for a, _ in self._waiting], {"cpu": free},
                             {"cpu": [(max(0.0, end - now), n) for end, n in self._ends.values()]}, depth=self.depth,
@@ -481,8 +488,6 @@ class WorkerPool:
             assert cores is not None  # the scheduler never allocates more than is free
             fut.set_result(cores)
         self._waiting = left
-        if self._suites and not left:
-            self._grow()
 
     async def _execute(self, kind: str, payload: dict[str, Any], timeout_s: float, cores: list[int]) -> Outcome:
         # At most `size` actions hold cores at once (each holds at least one), so an idle worker exists here.

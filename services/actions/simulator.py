@@ -39,7 +39,7 @@ import heapq
 import math
 import random
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from services.actions.elastic import (
     CHORUS,
@@ -310,9 +310,8 @@ class _Exclusive(_Base):
     def __init__(self, cfg: TraceConfig, trace: list[list[list[Step]]], policy: str, fixed: int | None) -> None:
         super().__init__(cfg, trace, policy)
         self.fixed = fixed
-        self.policy, self.malleable = ELASTIC_POLICIES.get(policy, (PAPER, False))
-        if self.policy.order == "sef":
-            self.policy = Policy(self.policy.freed_units, "sef", cfg.age_s)
+        policy_, self.malleable = ELASTIC_POLICIES.get(policy, (PAPER, False))
+        self.policy = replace(policy_, age_s=cfg.age_s)
         self.free = [cfg.cores_per_node] * cfg.nodes
         self.queue: list[list[tuple[Action, int, float]]] = [[] for _ in range(cfg.nodes)]  # (action, traj, submit)
         self.running: list[dict[int, Running]] = [{} for _ in range(cfg.nodes)]  # traj -> run

@@ -129,6 +129,15 @@ def test_a_malleable_suite_grows_and_shrinks_at_case_boundaries_by_hand():
         m.case_done(others_wait=False)
 
 
+def test_a_stopped_malleable_suite_gives_even_its_last_core_back():
+    m = MalleableSuite(cases=4, max_units=2)
+    m.grant(2)
+    m.start_cases()
+    assert m.case_done(others_wait=False, stop=True) is True
+    assert m.case_done(others_wait=False, stop=True) is True
+    assert (m.held, m.running, m.pending) == (0, 0, 2) and not m.finished
+
+
 def test_a_malleable_suite_keeps_one_core_while_cases_are_left():
     m = MalleableSuite(cases=3, max_units=2)
     m.grant(1)
