@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -56,6 +57,21 @@ async def wait_for(cond, timeout_s: float, what: str, proc: subprocess.Popen[byt
 @pytest.mark.full
 async def test_a_killed_run_resumes_from_its_last_commit_and_trains_nothing_twice(tmp_path, run_id):
     await killed_and_resumed(tmp_path, run_id, fault_config(tmp_path, run_id, max_versions=MAX_VERSIONS))
+
+
+# one slot for both models' trainers: each model's weights, AdamW state and accumulated gradients live in the pool's
+# host-memory store between its turns, and a commit is what a resumed run starts from
+@pytest.mark.full
+async def test_a_killed_run_with_a_training_pool_resumes_from_its_last_commit(tmp_path, run_id):
+    config = fault_config(tmp_path, run_id, max_versions=MAX_VERSIONS)
+    cfg = yaml.safe_load(config.read_text())
+    cfg["train"]["pool"] = {"slots": 1, "mode": "warm"}
+    config.write_text(yaml.safe_dump(cfg))
+    await killed_and_resumed(tmp_path, run_id, config, services=10)  # the pool and its slot for two trainers
+    logs = next((tmp_path / "runs").glob(f"{run_id}-*/logs"))
+    assert not list(logs.glob("trainer-*_lm-*.log")), "a model had a trainer of its own"
+    steps = [json.loads(line) for line in (logs / "trainer-0.log").read_text().splitlines() if '"step"' in line]
+    assert {s["model"] for s in steps if s.get("event") == "step"} == set(MODELS)  # the pool's trainer trained both
 
 
 async def killed_and_resumed(tmp_path: Path, run_id: str, config: Path, services: int = 11) -> None:
