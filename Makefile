@@ -74,7 +74,8 @@ test: venv
 	$(BIN)/pytest -q -p no:cacheprovider --durations 8 --ignore=tests/unit --ignore=tests/integration
 
 # The runs kept out of make test's 20 minutes, which CI runs beside it: a minute at concurrency 64 with a flat
-# JetStream consumer count, the tiny run under the decoupled and REINFORCE++ objectives, a killed run resumed.
+# JetStream consumer count, the tiny run under the decoupled and REINFORCE++ objectives, a killed run resumed (with
+# one trainer per model and with a training pool).
 test-long: venv
 	$(BIN)/pytest -q -p no:cacheprovider -m full --durations 4 tests/e2e/test_objectives.py tests/faults/test_resume.py \
 		"tests/faults/test_long_run.py::test_the_tiny_run_at_concurrency_64_keeps_training_with_a_flat_consumer_count[1min]"
