@@ -13,7 +13,7 @@ import struct
 import sys
 import time
 from collections import Counter, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -265,18 +265,20 @@ class WorkerPool:
     one per event-loop turn with a change (an arrival or a completion), over the queue gathered by then — which
     waiting actions start and with how many cores; an elastic kind gets its degree of parallelism. ``"chorus"``:
     the same with Chorus's extensions (:data:`services.actions.elastic.CHORUS`: the estimate counts the cores a
-    running action frees, shortest expected action first with an ageing bound). ``"fcfs"``: one core per action in
+    running action frees, shortest expected action first with an ageing bound of ``age_s``). ``"fcfs"``: one core per action in
     arrival order (no backfilling), the baseline. ``malleable`` (elastic and chorus): a ``cpu_tests`` suite's cases
     are handed to its cores one at a time (:meth:`_malleable`).
     """
 
     def __init__(self, size: int, memory_mb: int, python: str = sys.executable, policy: str = "elastic",
-                 depth: int = 2, malleable: bool = False) -> None:
+                 depth: int = 2, malleable: bool = False, age_s: float = CHORUS.age_s) -> None:
         if policy not in POLICIES:
             raise ValueError(f"scheduling policy {policy!r} is not one of {', '.join(POLICIES)}")
         self.policy = policy
         self.malleable = malleable and policy != "fcfs"
         self.depth = depth
+        # the settings schedule() runs with: the paper's, or Chorus's extensions with this ageing bound
+        self.settings = replace(CHORUS, age_s=age_s) if policy == "chorus" else PAPER
         self.size = size
         self.scheduler = FcfsScheduler(size)
         # allocate-on-execution (ARL-Tangram §5.2): each action's process is bound to exactly the cores it holds
@@ -476,7 +478,7 @@ class WorkerPool:
         now = time.monotonic()
         decision = schedule([a for a, _ in self._waiting], {"cpu": free},
                             {"cpu": [(max(0.0, end - now), n) for end, n in self._ends.values()]}, depth=self.depth,
-                            policy=CHORUS if self.policy == "chorus" else PAPER, now=now)
+                            policy=self.settings, now=now)
         started = {id(a): units["cpu"] for a, units in decision.start}
         left = []
         for action, fut in self._waiting:

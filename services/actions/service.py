@@ -34,7 +34,8 @@ class ActionsService(Service):
             self.log.warning(f"code actions run WITHOUT namespace isolation: {reason}")
         else:
             self.log.info("code actions run in Linux namespaces", isolation=reason)
-        self.pool = WorkerPool(acfg.cores, acfg.memory_mb, policy=acfg.scheduler, malleable=acfg.malleable)
+        self.pool = WorkerPool(acfg.cores, acfg.memory_mb, policy=acfg.scheduler, malleable=acfg.malleable,
+                               age_s=acfg.age_s)
         await self.pool.start()
         self._inflight: set[asyncio.Task[None]] = set()
         self._sub = await self.nc.subscribe(
@@ -60,6 +61,7 @@ class ActionsService(Service):
             "busy_cores": pool.busy,
             "cores": pool.size,
             "scheduler": pool.policy,
+            "age_s": pool.settings.age_s if pool.policy == "chorus" else None,
             "queue_len": pool.queued,
             # ACT = queue + execution + overhead, per kind (mean, p50, p99) and per resource
             "act": pool.acts.summary(),

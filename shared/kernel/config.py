@@ -575,6 +575,9 @@ class ActionsConfig(Section):
     # elastic and chorus: a cpu_tests suite's cases are handed to its cores one at a time, so that it gives a core
     # back at a case boundary when others wait and takes idle ones while nobody does (a case per worker call)
     malleable: bool = False
+    # chorus: an action that has waited this long goes ahead of every younger one (the aged in arrival order), so a
+    # long suite behind a stream of short tool calls waits at most about this long past its turn
+    age_s: float = Field(default=30.0, ge=0)
     timeout_s: float = Field(default=5.0, gt=0)
     memory_mb: int = Field(default=512, ge=16)
 

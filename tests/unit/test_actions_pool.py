@@ -137,6 +137,20 @@ def test_check_answer_rejects_non_string_fields():
         check_answer({"expected": 7, "response": "7"})
 
 
+def test_the_ageing_bound_reaches_chorus_scheduling_and_only_it():
+    from dataclasses import replace
+
+    from services.actions.elastic import CHORUS, PAPER
+    from shared.kernel.config import ActionsConfig
+
+    assert WorkerPool(2, 256, policy="chorus", age_s=5.0).settings == replace(CHORUS, age_s=5.0)
+    assert WorkerPool(2, 256, policy="chorus").settings == CHORUS
+    assert WorkerPool(2, 256, policy="elastic", age_s=5.0).settings == PAPER  # the paper's order has no bound
+    assert ActionsConfig(age_s=0.0).age_s == 0.0  # zero: every waiting action is aged, arrival order
+    with pytest.raises(ValueError, match="age_s"):
+        ActionsConfig(age_s=-1.0)
+
+
 @pytest.fixture
 async def pool():
     p = WorkerPool(2, memory_mb=256)
