@@ -37,6 +37,8 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
+from bench_sandbox import isolated_ms  # loadtests/, this script's own directory
+
 from services.actions.simulator import TraceConfig, make_trace, simulate
 
 BASELINES = ("static-1", "static-4", "fixed-4", "fixed-16", "elastic")
@@ -114,22 +116,6 @@ def sweep(cfg: TraceConfig, batches: list[int], seeds: int) -> None:
         print(f"  serial {lo:.2f}-{hi:.2f}: " + "; ".join(cells))
 
 
-def sandbox_ms() -> float | None:
-    """The run_code sandbox's cost per run here (median of 20), as loadtests/bench_sandbox.py measures it."""
-    from services.actions import coderun
-    from services.actions.verdicts import plan_tests
-
-    if coderun.isolation()[0] != "namespaces":
-        return None
-    plan = plan_tests("assert 1 + 1 == 2\n")
-    times = []
-    for _ in range(20):
-        t0 = time.perf_counter()
-        coderun._run_isolated("x = 1\n", plan, 5.0, coderun.LIMITS)  # noqa: SLF001 - the sandbox's own path
-        times.append((time.perf_counter() - t0) * 1000)
-    return statistics.median(times)
-
-
 def main() -> None:
     from shared.kernel.logs import setup_logging
 
@@ -153,7 +139,7 @@ def main() -> None:
     if not args.no_extras:
         ablation(cfg, args.batches, args.seeds)
         sweep(cfg, sorted({args.batches[len(args.batches) // 2], args.batches[-1]}), 1)
-        exec_ms = args.exec_ms if args.exec_ms is not None else sandbox_ms()
+        exec_ms = args.exec_ms if args.exec_ms is not None else isolated_ms()
         if exec_ms is None:
             print("\nno namespaces here: the sandbox's per-exec cost cannot be measured (give --exec-ms)")
         else:

@@ -27,6 +27,14 @@ def timed(run, plan) -> float:
     return (time.perf_counter() - t0) * 1000
 
 
+def isolated_ms(runs: int = 20) -> float | None:
+    """The sandbox's cost per run here: the median milliseconds of ``runs`` runs in namespaces (None without them)."""
+    if coderun.isolation()[0] != "namespaces":
+        return None
+    plan = plan_tests(TESTS)
+    return statistics.median(timed(coderun._run_isolated, plan) for _ in range(runs))  # noqa: SLF001
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--runs", type=int, default=20)
