@@ -16,8 +16,9 @@ whole queue of requests to the end (tests, benchmarks).
   that starts like a cached one (a shared system prompt) prefills only what follows the common prefix.
 - **Logits only where a token is sampled:** the LM head runs on the last position of a prefill and on the one
   new position of each decoding row.
-- **Few-row products (CPU).** How a product of a few token rows runs (``F.linear`` or ``W @ X^T``, on rows
-  padded with zeros or not) is measured per weight shape when the engine starts (:mod:`.kernels`);
+- **Few-row products (CPU).** How a product of a few token rows runs (``F.linear``, ``W @ X^T``, oneDNN or
+  Chorus's own kernel, on rows padded with zeros or not) is measured per weight shape when the engine starts
+  (:mod:`.kernels`);
   :meth:`ContinuousEngine.kernel_choices` says what was chosen.
 - **Versions.** Every token records the weight version that sampled it. When the weights change in place
   (a sync in ``interrupt`` mode), every running row's KV is recomputed under the new weights before its next

@@ -11,9 +11,12 @@ float32):
   ``W @ X^T`` 11.3, 27.6, 25.7, 27.0, 28.0 ms: the same rule made a step of one row slower than ``F.linear``.
 
 A third way, oneDNN's linear on a copy of the weight prepacked for it (what vLLM's CPU build runs), wins on
-the AMX Xeon from 4 rows on for the larger weights (the head of 8 rows: 20 ms) and loses at 1 row.
+the AMX Xeon from 4 rows on for the larger weights (the head of 8 rows: 20 ms) and loses at 1 row. A fourth,
+Chorus's own kernel (``rows``: :mod:`.native`, compiled on the machine that runs it), streams a weight packed in
+blocks of outputs once with a software prefetch ahead and keeps every row's sums in registers; where it was
+built, it is one more candidate.
 
-So :class:`KernelPlan` times the three ways with the real weight when the engine starts, for each distinct
+So :class:`KernelPlan` times the four ways with the real weight when the engine starts, for each distinct
 (out, in, dtype, device, threads) among the engine's plain ``nn.Linear`` layers, at
 :data:`MEASURED_ROWS` rows, and for every row count t up to :data:`PLAN_ROWS` picks the (method, rows r >= t)
 of least time: t rows are padded with zero rows to r (the extra outputs are sliced away, so the result is
@@ -30,6 +33,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from services.rollouter import native
+
 PLAN_ROWS = 16  # products of at most this many rows follow the plan
 MEASURED_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16)
 # more rows (a batch's decode step): unpadded, by the method fastest at this many rows (the LM head of a batch of
@@ -38,7 +43,8 @@ MANY_ROWS = 32
 # F.linear(x, w) | torch.mm(w, x.t()).t() | oneDNN's linear on a prepacked copy of the weight (the kernel
 # vLLM's CPU build uses): on an AMX Xeon, SmolLM2's head of 8 rows took 42 ms with F.linear, 36 with W @ X^T
 # and 20 with oneDNN, and the whole engine ran 1.4x faster at batch 8 but 0.8x at batch 1: measured, not assumed
-METHODS = ("linear", "mm", "onednn")
+# and Chorus's own kernel (``rows``, services/rollouter/rows.cpp) where it could be built
+METHODS = ("linear", "mm", "onednn", "rows")
 PACK_ROWS_HINT = 8  # the batch size oneDNN is told to prepack for (a hint: any row count works)
 REPEATS = 5  # timed runs per candidate (after one warm-up), the minimum kept ...
 BUDGET_S = 0.02  # ... stopping once a candidate has spent this long (at least MIN_REPEATS runs)
@@ -79,6 +85,8 @@ def product(method: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return torch.mm(w, x.t()).t().contiguous()
     if method == "onednn":
         return onednn_linear(x, w, None)
+    if method == "rows":
+        return native.rows_linear(x, w, None)
     return F.linear(x, w)
 
 
@@ -143,7 +151,8 @@ def measure(w: torch.Tensor, timer: Timer | None = None,
             rows: Sequence[int] = (*MEASURED_ROWS, MANY_ROWS)) -> ShapePlan:
     """Time every method at every row count with the weight ``w`` (``timer`` defaults to :func:`time_product`)."""
     timer = timer or time_product
-    methods = [m for m in METHODS if m != "onednn" or timer is not time_product or onednn_available()]
+    usable = {"linear": True, "mm": True, "onednn": onednn_available(), "rows": native.supports(w)}
+    methods = [m for m in METHODS if timer is not time_product or usable[m]]
     times: dict[Choice, float] = {}
     for r in rows:
         for m in methods:
@@ -233,6 +242,8 @@ def planned_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
         return (y + b if b is not None else y).contiguous()
     if method == "onednn":
         return onednn_linear(x, w, b)[:t] if r > t else onednn_linear(x, w, b)
+    if method == "rows":
+        return native.rows_linear(x, w, b)[:t] if r > t else native.rows_linear(x, w, b)
     if r > t:
         y = F.linear(x, w)[:t]
         return y + b if b is not None else y

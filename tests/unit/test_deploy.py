@@ -112,6 +112,8 @@ def test_the_image_runs_every_shipped_config_on_cpu():
     assert re.search(r"COPY examples ", docker) and re.search(r"COPY configs ", docker)
     assert "pip install '.'" in docker and "[ucx]" not in docker  # no CUDA libraries on a CPU install
     assert "whl/cpu" in docker
+    # the continuous engine's own kernel is compiled where it runs, into a cache the unprivileged user can write
+    assert re.search(r"apt-get install .*\bg\+\+", docker) and "CHORUS_KERNEL_CACHE=/tmp/" in docker
 
 
 # --- Kubernetes -----------------------------------------------------------------------------------------
