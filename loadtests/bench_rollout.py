@@ -49,7 +49,8 @@ backend `VllmEngine` around vLLM's in-process engine, started once per worker, a
 (a row joins as one ends, as the rollouter's batcher feeds it), prefix caching off like the other arms, greedy,
 EOS off, one OpenMP thread (`VLLM_CPU_OMP_THREADS_BIND=nobind`, pinned like the others). A last line
 `ratio chorus_vs_vllm=<x>` gives the continuous arm's tokens per CPU-second over vLLM's, B=32 long tail. The
-continuous arm prints the kernel choices its engine measured on this CPU first.
+continuous arm prints the kernel choices its engine measured on this CPU first (`rows`: Chorus's own kernel,
+services/rollouter/rows.cpp, built on this machine; where it could not be built, the line says why).
 
 transformers' continuous batching on CPU: no flash attention, so it runs `sdpa` over the keys of every
 request of the step concatenated, with a block-diagonal mask: a decode step's attention costs B * (sum of
@@ -169,6 +170,9 @@ class ChorusContinuous(ChorusStatic):
         self.engine_cls = ContinuousEngine
         # raises if this model is not one it serves; measures the kernel plan (outside every measurement)
         self.choices = self.engine_cls(model, tokenizer, max_batch=1).kernel_choices()
+        from services.rollouter import native
+
+        self.native = native.why_unavailable()  # empty: Chorus's own kernel was built and measured
 
     def prepare(self, batch: int, prompts: list[list[int]], lengths: list[int]) -> Any:
         # A fresh engine per job: no KV pool or prefix cache carried over from the previous repeat.
@@ -305,7 +309,8 @@ def worker(arm_name: str, model_dir: str, core: int) -> None:
         reply.write(json.dumps({"unavailable": f"{type(exc).__name__}: {exc}"}) + "\n")
         return
     pin_all_threads(core)
-    reply.write(json.dumps({"ready": True, "kernel_choices": getattr(arm, "choices", None)}) + "\n")
+    reply.write(json.dumps({"ready": True, "kernel_choices": getattr(arm, "choices", None),
+                            "native": getattr(arm, "native", None)}) + "\n")
     for line in sys.stdin:
         job = json.loads(line)
         b, prompts, lengths = job["batch"], job["prompts"], job["lengths"]
@@ -346,6 +351,7 @@ class Worker:
         msg = self._read()
         self.unavailable = msg.get("unavailable")
         self.kernel_choices = msg.get("kernel_choices")
+        self.native = msg.get("native")
 
     def job(self, batch: int, prompts: list[list[int]], lengths: list[int], core: int | None = None) -> dict[str, Any]:
         self.send(batch, prompts, lengths, core)
@@ -536,7 +542,10 @@ def main() -> None:
                 unavailable[w.arm] = w.unavailable
                 print(f"  {w.arm}: unavailable ({w.unavailable})", flush=True)
             if w.kernel_choices:
-                print(f"  kernel choices of the {w.arm} engine on this CPU (rows:kernel, @n padded to n rows):")
+                print(f"  kernel choices of the {w.arm} engine on this CPU (t:method for t rows, @n padded to n rows;"
+                      " rows: Chorus's own kernel):")
+                if w.native:
+                    print(f"    Chorus's own kernel is not a candidate here: {w.native}")
                 for shape, plan in w.kernel_choices.items():
                     print(f"    {shape:<34}{plan}", flush=True)
         live = [arm for arm in arms if arm not in unavailable]
