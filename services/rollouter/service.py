@@ -31,6 +31,7 @@ import nats.js.errors
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from services.rollouter import native
 from services.rollouter.backends import build_engine
 from services.rollouter.batcher import Batcher, ContinuousBatcher
 from services.rollouter.continuous import ContinuousEngine
@@ -162,6 +163,9 @@ class RollouterService(Service):
                                              request_timeout_s=rc.request_timeout_s, on_sync=rc.on_sync)
         self.log.info("model loaded", adapters=list(self.engine.adapters), vocab_size=self.engine.vocab_size,
                       engine=type(self.engine).__name__, backend=rc.backend, on_sync=getattr(self.batcher, "on_sync", "drain"))
+        plan = getattr(self.engine, "kernel_choices", None)
+        if callable(plan) and (choices := plan()):  # Chorus's engine on a CPU: how it multiplies t rows, per shape
+            self.log.info("kernel plan measured", choices=choices, own_kernel=native.why_unavailable() or "built")
         self.checksum: str | None = None
         self._replies: set[asyncio.Task[None]] = set()
         self._sinks: dict[str, WeightSink] = {}
