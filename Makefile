@@ -75,9 +75,10 @@ test: venv
 
 # The runs kept out of make test's 20 minutes, which CI runs beside it: a minute at concurrency 64 with a flat
 # JetStream consumer count, the tiny run under the decoupled and REINFORCE++ objectives, a killed run resumed (with
-# one trainer per model and with a training pool).
+# one trainer per model and with a training pool), SIGTERM of every kind mid-work, the embedded server's credentials.
 test-long: venv
 	$(BIN)/pytest -q -p no:cacheprovider -m full --durations 4 tests/e2e/test_objectives.py tests/faults/test_resume.py \
+		tests/faults/test_sigterm.py tests/e2e/test_embedded_auth.py \
 		"tests/faults/test_long_run.py::test_the_tiny_run_at_concurrency_64_keeps_training_with_a_flat_consumer_count[1min]"
 
 # The tests that need ucxx (marked ucx; `make test` deselects them). They fail, not skip, without it.

@@ -24,6 +24,7 @@ from nats.js.errors import KeyNotFoundError
 from services.paramsync.protocol import AnnounceQueue, InstanceResult, decide, instances_from_keys
 from shared.kernel.bus import kv_get_int, kv_keys, kv_put_int_max
 from shared.kernel.codec import DecodeError, decode, encode
+from shared.kernel.config import ParamSyncConfig
 from shared.kernel.peers import PeerGone, request_watched
 from shared.kernel.schemas import RolloutControl, RolloutControlReply, SyncDone, WeightsAnnounce
 from shared.kernel.service import Service
@@ -34,6 +35,19 @@ SYNC_POLL_S = 1.0  # how often the commit point is read, besides announces
 RETRY_S = (1.0, 30.0)  # first and largest wait before a version no live instance could load is tried again
 # Extra time the request waits beyond the timeout the rollouter itself is given.
 REPLY_MARGIN_S = 2.0
+KV_MARGIN_S = 10.0  # committing the served version in KV, between the last load and the resumes
+
+
+def pause_lease_s(cfg: ParamSyncConfig) -> float:
+    """The lease a pause asks for: its drain, then its load follows at once."""
+    return cfg.pause_timeout_s + REPLY_MARGIN_S
+
+
+def load_lease_s(cfg: ParamSyncConfig) -> float:
+    """The lease a load asks for: the rest of the sync at its slowest (the other instances' pauses and every load
+    attempt, the commit, the resume), so a live paramsync's resume always comes first."""
+    return (cfg.pause_timeout_s + cfg.load_attempts * (cfg.load_timeout_s + REPLY_MARGIN_S) + KV_MARGIN_S
+            + RESUME_TIMEOUT_S + 2 * REPLY_MARGIN_S)
 
 
 class ControlFailed(RuntimeError):
@@ -257,7 +271,8 @@ class ParamSyncService(Service):
         sync_cfg = self.cfg.paramsync
         try:
             await self._control(instance, RolloutControl(verb="pause", version=ann.version,
-                                                         timeout_s=sync_cfg.pause_timeout_s))
+                                                         timeout_s=sync_cfg.pause_timeout_s,
+                                                         lease_s=pause_lease_s(sync_cfg)))
         except ControlFailed as exc:
             return InstanceResult(instance, loaded=False, reachable=exc.reachable, error=str(exc))
         result = InstanceResult(instance, loaded=False)
@@ -274,7 +289,8 @@ class ParamSyncService(Service):
         try:
             reply = await self._control(instance, RolloutControl(
                 verb="load", version=ann.version, transport=ann.transport, object_name=ann.object_name,
-                checksum=ann.checksum, timeout_s=self.cfg.paramsync.load_timeout_s))
+                checksum=ann.checksum, timeout_s=self.cfg.paramsync.load_timeout_s,
+                lease_s=load_lease_s(self.cfg.paramsync)))
         except ControlFailed as exc:
             return InstanceResult(instance, loaded=False, reachable=exc.reachable, error=str(exc))
         if reply.checksum != ann.checksum or reply.version != ann.version:

@@ -179,7 +179,9 @@ class RollouterService(Service):
             self._sink("ucx")  # start UCX now (it loads libraries and a progress thread), not in the first sync
         await self._catch_up()
         self.spawn(self.batcher.run(), "batcher")
-        self._last_control = time.monotonic()
+        self._pause_until = 0.0  # monotonic time the current pause's lease runs out (pause and load renew it)
+        self._pause_lease = 0.0
+        self._probed = 0.0  # when the paused instance last probed its controller
         self.spawn(self._pause_watchdog(), "pause-watchdog")
         self.spawn(self._load_loop(), "load-reports")
 
@@ -396,7 +398,9 @@ class RollouterService(Service):
             await self._control_reply(msg, ok=False, error=f"rejected: {exc.reason}")
             return
         self.counters[f"control_{verb}"] += 1
-        self._last_control = time.monotonic()
+        if verb in ("pause", "load"):
+            self._pause_lease = min(ctl.lease_s or ctl.timeout_s, self.cfg.paramsync.max_pause_s)
+            self._pause_until = time.monotonic() + self._pause_lease
         if ctl.peer:
             self._controller = ctl.peer
         if verb == "pause":
@@ -442,20 +446,22 @@ class RollouterService(Service):
 
     async def _pause_watchdog(self) -> None:
         """Resume by itself when paused by a paramsync that is gone (its status subject has no responders, or
-        ``peers.misses`` probes in a row went unanswered), or with no control message for a whole sync's worth
-        of time. A paramsync that dies between pause and resume must not leave this instance paused."""
-        ps, peers = self.cfg.paramsync, self.cfg.peers
-        lease = 1.5 * (ps.pause_timeout_s + ps.load_timeout_s) + 1.0  # > paramsync's own waits
+        ``peers.misses`` probes in a row went unanswered), or once the lease the last pause or load named ran out
+        (at most ``paramsync.max_pause_s``). A paramsync that dies between pause and resume, or a pause sent by
+        anyone else, must not leave this instance paused for longer than it said."""
+        peers = self.cfg.peers
         misses = 0
         while True:
-            await asyncio.sleep(peers.probe_interval_s)
+            # a short lease is honoured to within a fifth of a second, a controller probed every probe interval
+            await asyncio.sleep(min(peers.probe_interval_s, 0.2))
             if not self.batcher.paused:
                 misses = 0
                 continue
             why = None
-            if time.monotonic() - self._last_control > lease:
-                why = f"no control message for {lease:.0f}s"
-            elif self._controller:
+            if time.monotonic() > self._pause_until:
+                why = f"its pause's lease of {self._pause_lease:g}s ran out with no resume"
+            elif self._controller and time.monotonic() - self._probed >= peers.probe_interval_s:
+                self._probed = time.monotonic()
                 state = await probe(self.nc, self._controller, peers.probe_timeout_s)
                 misses = 0 if state is Liveness.ALIVE else misses + 1
                 if state is Liveness.DEAD or misses >= peers.misses:

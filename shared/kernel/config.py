@@ -49,6 +49,10 @@ class RunSection(Section):
     max_restarts: int = Field(default=5, ge=0)
     restart_window_s: float = Field(default=300.0, gt=0)
     restart_delay_s: float = Field(default=1.0, ge=0)
+    # A service's whole stop on SIGTERM (drain the work in hand, then close): what is not done by then is left, as
+    # a crash would leave it, and the process exits. Below every deployment's grace before SIGKILL: `chorus up`
+    # 20 s, compose, systemd and Kubernetes 45 s.
+    stop_grace_s: float = Field(default=15.0, ge=1.0, le=40.0)
 
     @field_validator("id")
     @classmethod
@@ -84,6 +88,10 @@ class NatsSection(Section):
     tls_ca: str | None = None  # CA bundle that signed the servers' certificates (tls:// URLs use TLS anyway)
     tls_cert: str | None = None  # client certificate, for servers that verify clients
     tls_key: str | None = None
+    # The embedded server of `chorus up` (no url): one generated password per client kind, each service given only
+    # its own, the observer's written to <run dir>/nats/observer.password (docs/security.md). false: an open server
+    # on loopback, where any local process may publish on the run's subjects and write its KV.
+    embedded_auth: bool = True
 
     @property
     def servers(self) -> list[str]:
@@ -591,8 +599,19 @@ class ParamSyncConfig(Section):
     load_timeout_s: float = Field(default=60.0, gt=0)
     load_attempts: int = Field(default=2, ge=1)  # per instance and version; a live instance failing all of them
     # is kept out of routing (and keeps trying by itself) while the others serve the new version
+    # A pause lasts as long as its control message says (a pause or load names its lease: paramsync asks for the
+    # rest of its sync), never longer than this: then the rollouter resumes by itself, whoever paused it.
+    max_pause_s: float = Field(default=180.0, gt=0)
     keep_versions: int = Field(default=2, ge=1)  # versions a ucx trainer holds in memory for late loaders
     chunk_kb: int = Field(default=512, ge=16)  # object store chunk size (transport nats)
+
+    @model_validator(mode="after")
+    def _pause_fits(self) -> ParamSyncConfig:
+        if self.max_pause_s < self.pause_timeout_s + self.load_timeout_s:
+            raise ValueError(f"max_pause_s: {self.max_pause_s:g} s is shorter than one pause and load "
+                             f"(pause_timeout_s + load_timeout_s = {self.pause_timeout_s + self.load_timeout_s:g} s): "
+                             "every sync would be cut short")
+        return self
 
 
 class WandbSection(Section):

@@ -27,9 +27,12 @@ _DENIED = re.compile(r"Permissions Violation for (?P<op>Publish|Subscription)(?:
                      re.IGNORECASE)
 
 
+PASSWORD_PREFIX = "CHORUS_NATS_PASSWORD_"
+
+
 def password_env(kind: str) -> str:
     """The environment variable holding ``kind``'s password, on the server (auth.conf) and on the client."""
-    return f"CHORUS_NATS_PASSWORD_{kind.upper()}"
+    return f"{PASSWORD_PREFIX}{kind.upper()}"
 
 
 def inbox_prefix(kind: str) -> str:

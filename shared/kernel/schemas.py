@@ -120,6 +120,9 @@ class RolloutControl(Message):
     object_name: str | None = None
     checksum: str | None = None
     timeout_s: float = 30.0
+    # pause and load: how long the instance stays paused from this message on when no other control message comes
+    # (None: ``timeout_s``), capped by the instance's ``paramsync.max_pause_s``; then it resumes by itself.
+    lease_s: float | None = Field(default=None, gt=0)
     # The sender's status subject: a paused instance probes it, and resumes by itself once the sender is gone.
     peer: str | None = None
     target: str | None = Field(default=None, max_length=64)  # migrate: the model to serve next

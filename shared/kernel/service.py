@@ -14,6 +14,7 @@ import faulthandler
 import os
 import signal
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine
@@ -48,6 +49,7 @@ EX_TEMPFAIL = 75  # the exit code of a start the broker failed (sysexits' tempor
 # the process, since a wrong URL stays wrong; a supervisor (chorus up, systemd, Kubernetes) restarts it.
 EX_UNAVAILABLE = 69
 DONE_POLL_S = 1.0  # how often a service started with --exit-when-done reads whether the run has finished
+CLOSE_SHARE_S = 4.0  # of run.stop_grace_s, kept for closing (tasks, micro service, connection) after the teardown
 # The run cannot go on and a restart would not help (the user's workflow keeps failing): sysexits' EX_CONFIG.
 # `chorus up` stops the run on it; systemd units do not restart on it (RestartPreventExitStatus).
 EX_RUN_FAILED = 78
@@ -187,6 +189,8 @@ class Service:
                 loop.add_signal_handler(sig, self.stop)
             except (RuntimeError, ValueError):  # served from a thread that is not the main one: stop() ends it
                 break
+        else:
+            loop.add_signal_handler(signal.SIGUSR2, dump_tasks)
         starting = asyncio.ensure_future(self.start())
         stopped = asyncio.ensure_future(self._stop.wait())
         try:
@@ -222,30 +226,59 @@ class Service:
             await self._close()
             return 2
         await self._stop.wait()
-        self.log.info("draining")
-        try:
-            await asyncio.wait_for(self.teardown(), timeout=30)
-        except Exception as exc:
-            self.log.error("teardown failed", error=f"{type(exc).__name__}: {exc}")
-        await self._close()
-        self.log.info("stopped", exit_code=self.exit_code)
+        await self._drain_and_close()
         return self.exit_code
 
-    async def _close(self) -> None:
-        for t in list(self._tasks):
-            t.cancel()
+    async def _drain_and_close(self) -> None:
+        """Teardown, then close, all within ``run.stop_grace_s``: a step that does not finish in its share is left
+        behind (asyncio.wait, never wait_for, which would wait for a task that does not end on cancel)."""
+        grace = self.cfg.run.stop_grace_s
+        t0 = time.monotonic()
+        self.log.info("draining", grace_s=grace)
+        teardown = asyncio.ensure_future(self.teardown())
+        done, _ = await asyncio.wait({teardown}, timeout=max(0.5, grace - CLOSE_SHARE_S))
+        if not done:
+            teardown.cancel()
+            self.counters["teardowns_cut"] += 1
+            self.log.warning("teardown did not finish in its share of the stop grace; left as a crash would",
+                             seconds=round(time.monotonic() - t0, 2))
+        elif not teardown.cancelled() and teardown.exception() is not None:
+            exc = teardown.exception()
+            self.log.error("teardown failed", error=f"{type(exc).__name__}: {exc}")
+        await self._close(t0 + grace)
+        self.log.info("stopped", exit_code=self.exit_code, seconds=round(time.monotonic() - t0, 2))
+
+    async def _close(self, deadline: float | None = None) -> None:
+        """Cancel every task (again, while one swallows its cancellation: Python 3.11's wait_for can), stop the micro
+        service and drain the connection, by ``deadline`` (monotonic; default a few seconds from now)."""
+        deadline = deadline if deadline is not None else time.monotonic() + CLOSE_SHARE_S
+
+        def left(share: float = 1.0) -> float:
+            return max(0.1, (deadline - time.monotonic()) * share)
+
+        while self._tasks and time.monotonic() < deadline - 1.0:
+            for t in list(self._tasks):
+                t.cancel()
+            await asyncio.wait(list(self._tasks), timeout=min(0.5, left()))
         if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+            self.log.error("tasks still running at the end of the stop; exiting without them",
+                           tasks=sorted(t.get_name() for t in self._tasks))
         if getattr(self, "_micro", None) is not None:
-            try:
-                await self._micro.stop()
-            except Exception as exc:
-                self.log.warning("micro stop failed", error=str(exc))
+            stopping = asyncio.ensure_future(self._micro.stop())
+            done, _ = await asyncio.wait({stopping}, timeout=left(0.3))
+            if not done:
+                stopping.cancel()
+                self.log.warning("micro stop did not finish in time")
+            elif not stopping.cancelled() and stopping.exception() is not None:
+                self.log.warning("micro stop failed", error=str(stopping.exception()))
         if getattr(self, "nc", None) is not None and self.nc.is_connected:
-            try:
-                await asyncio.wait_for(self.nc.drain(), timeout=10)
-            except Exception as exc:
-                self.log.warning("nats drain failed", error=str(exc))
+            draining = asyncio.ensure_future(self.nc.drain())
+            done, _ = await asyncio.wait({draining}, timeout=left())
+            if not done:
+                draining.cancel()
+                self.log.warning("nats drain did not finish in time")
+            elif not draining.cancelled() and draining.exception() is not None:
+                self.log.warning("nats drain failed", error=str(draining.exception()))
 
     def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
         """Run a background task owned by this service; a crash is logged, counted and stops the service."""
@@ -395,6 +428,16 @@ class Service:
         await req.respond(encode_json(self.metrics_snapshot()))
 
 
+def dump_tasks() -> None:
+    """`kill -USR2 PID`: every asyncio task's stack to stderr (the service's log), where a stuck await is
+    (SIGUSR1 prints the threads')."""
+    tasks = asyncio.all_tasks()
+    print(f"--- {len(tasks)} asyncio tasks", file=sys.stderr)
+    for task in tasks:
+        task.print_stack(limit=12, file=sys.stderr)
+    sys.stderr.flush()
+
+
 def parse_args(service: type[Service], argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=f"chorus serve {service.name}", description=f"Run one Chorus {service.name}.")
     p.add_argument("--config", required=True, help="run config YAML")
@@ -435,13 +478,33 @@ def main_for(service: type[Service], argv: list[str] | None = None) -> None:
     import uvloop
 
     served: list[Service] = []
-    code = uvloop.run(serve_until_started(first, make, served))
-    if served and served[-1].start_interrupted:
-        # a signal came while the start was in a worker thread (a model loading): do not wait for it at exit
+    code = uvloop.run(_served(serve_until_started(first, make, served)))
+    busy = [t.name for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon and t.is_alive()]
+    if (served and served[-1].start_interrupted) or busy:
+        # a thread still works (a model loading when the signal came, a step in a worker): the interpreter would
+        # wait for it at exit; the service is stopped, so it goes with the process
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
     sys.exit(code)
+
+
+async def _served(main: Awaitable[int]) -> int:
+    """``main``'s exit code; a task still running after it (one that swallowed its cancellation) ends the process
+    here, since the loop's own shutdown would wait for it for ever."""
+    code = await main
+    others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for t in others:
+        t.cancel()
+    if others:
+        _, pending = await asyncio.wait(others, timeout=1.0)
+        if pending:
+            structlog.get_logger().error("tasks did not end after the service stopped; exiting without them",
+                                         tasks=sorted(t.get_name() for t in pending))
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    return code
 
 
 async def serve_until_started(svc: Service, make: Callable[..., Service], served: list[Service] | None = None) -> int:

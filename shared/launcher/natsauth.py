@@ -66,13 +66,16 @@ def permissions(kind: str) -> Permissions:
                                                                        inbox]
         return Permissions(_unique(publish), _unique(subscribe))
     watch = [names.metrics_all(), names.events_all(), inbox]
+    # what `chorus monitor --raw` shows besides: the samples, the micro-batches and the rejected messages (a
+    # subscriber without a queue group takes nothing from the services, and may answer nothing)
+    data = [names.traj("*"), names.ready("*"), names.dlq("*")]
     if kind == "supervisor":  # creates the run, checks that its id is new, watches its events
         return Permissions(_unique([*JS_READ, "$JS.API.STREAM.CREATE.*", "$JS.API.STREAM.UPDATE.*",
                                     "$JS.API.STREAM.LIST", *PING, probe]), _unique(watch))
     if kind == "observer":
-        return Permissions(_unique([*JS_READ, *PING, probe]), _unique(watch))
+        return Permissions(_unique([*JS_READ, *PING, probe]), _unique([*watch, *data]))
     if kind == "admin":  # every JetStream operation (chorus clean deletes streams), and what an observer does
-        return Permissions(_unique(["$JS.API.>", *PING, probe]), _unique(watch))
+        return Permissions(_unique(["$JS.API.>", *PING, probe]), _unique([*watch, *data]))
     raise ValueError(f"unknown client kind {kind!r}: one of {', '.join(KINDS)}")
 
 

@@ -72,7 +72,8 @@ class NatsServer:
     def __init__(self, store_dir: str | os.PathLike[str], *, port: int | None = None, max_payload_mb: int = 8,
                  log_file: str | os.PathLike[str] | None = None, server_name: str | None = None,
                  routes: Routes | None = None, monitor_port: int | None = None, tls: Tls | None = None,
-                 include: str | os.PathLike[str] | None = None, tags: tuple[str, ...] = ()) -> None:
+                 include: str | os.PathLike[str] | None = None, tags: tuple[str, ...] = (),
+                 auth: str | None = None, env: dict[str, str] | None = None) -> None:
         self.store_dir = Path(store_dir)
         self.port = port or free_port()
         self.max_payload_mb = max_payload_mb
@@ -83,6 +84,8 @@ class NatsServer:
         self.tls = tls
         self.tags = tags  # server_tags, for JetStream placement (nats.placement_tags)
         self.include = Path(include).resolve() if include is not None else None
+        self.auth = auth  # an authorization config's text (accounts and users), written beside the server's config
+        self.env = env  # extra environment of the server (the passwords auth.conf reads)
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -108,6 +111,8 @@ class NatsServer:
             text += self.tls.block(verify=False)
         if self.include is not None:
             text += f"include \"{self.include.name}\"\n"  # nats-server includes relative to the config only
+        if self.auth is not None:
+            text += "include \"auth.conf\"\n"
         return text
 
     def start(self, timeout_s: float = 10.0) -> NatsServer:
@@ -116,10 +121,12 @@ class NatsServer:
         conf.write_text(self.config_text())
         if self.include is not None:
             shutil.copyfile(self.include, self.store_dir / self.include.name)
+        if self.auth is not None:
+            (self.store_dir / "auth.conf").write_text(self.auth)
         log = open(self.log_file, "ab")  # noqa: SIM115 - closed in stop()
         self._log = log
         self.proc = subprocess.Popen([nats_server_binary(), "-c", str(conf)], stdout=log, stderr=log,
-                                     preexec_fn=_die_with_parent)
+                                     env={**os.environ, **(self.env or {})}, preexec_fn=_die_with_parent)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

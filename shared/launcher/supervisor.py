@@ -32,10 +32,12 @@ from rich.table import Table
 from shared.kernel.bus import connect, ensure_run, kv_get_int
 from shared.kernel.codec import DecodeError, decode_json
 from shared.kernel.config import ChorusConfig, ConfigError, load_config
+from shared.kernel.credentials import PASSWORD_PREFIX, password_env
 from shared.kernel.runbus import run_exists
 from shared.kernel.service import EX_RUN_FAILED, START_WAIT_S
 from shared.kernel.subjects import Names
 from shared.launcher.deploy import unique_run_id
+from shared.launcher.localauth import LocalAuth
 from shared.launcher.natsserver import NatsServer
 from shared.launcher.progress import ProgressView, RunTracker, make_console
 from shared.launcher.runfiles import write_summary
@@ -131,6 +133,9 @@ class Supervisor:
 
     log_dir: Path
     env: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
+    # kind -> NATS password (the embedded server's generated credentials): each child gets only its own kind's,
+    # as CHORUS_NATS_PASSWORD_<KIND>, and none of the others'
+    passwords: Mapping[str, str] = field(default_factory=dict)
     children: dict[str, Child] = field(default_factory=dict)
     stopped: dict[str, Child] = field(default_factory=dict)  # stopped one by one (stop_one) before the end
     stopping: bool = False
@@ -140,11 +145,21 @@ class Supervisor:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = self.log_dir / f"{key}.log"
         with open(log, "ab") as fh:
-            popen = subprocess.Popen(list(argv), stdout=fh, stderr=subprocess.STDOUT, env=dict(self.env),
+            popen = subprocess.Popen(list(argv), stdout=fh, stderr=subprocess.STDOUT, env=self.env_of(key),
                                      stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
         child = Child(key, list(argv), log, popen)
         self.children[key] = child
         return child
+
+    def env_of(self, key: str) -> dict[str, str]:
+        """The environment of child ``key`` (``<kind>-...``): with generated passwords, its kind's only."""
+        if not self.passwords:
+            return dict(self.env)
+        kind = key.split("-", 1)[0]
+        env = {k: v for k, v in self.env.items() if not k.startswith(PASSWORD_PREFIX)}
+        if kind in self.passwords:
+            env[password_env(kind)] = self.passwords[kind]
+        return env
 
     def exited(self) -> list[Child]:
         """Children that have exited while the run was not stopping (any exit code is unexpected)."""
@@ -352,17 +367,25 @@ async def run_up(config_path: Path | None, *, timeout_s: float | None = None, co
     run_dir.mkdir(parents=True, exist_ok=True)
     server: NatsServer | None = None
     url = cfg.nats.url
+    auth = LocalAuth.generate() if embedded and cfg.nats.embedded_auth else None
+    own_nats = cfg.nats
     if embedded:
         # Started from this (the main) thread: it dies with `chorus up` however that ends.
         server = NatsServer(run_dir / "nats", max_payload_mb=cfg.nats.max_payload_mb,
-                            port=_port_of(url) if resume is not None else None)
+                            port=_port_of(url) if resume is not None else None,
+                            auth=auth.conf() if auth else None, env=auth.server_env() if auth else None)
         server.start()
         url = server.url
         console.print(f"embedded nats-server at {url} (log {server.log_file})")
+        if auth is not None:
+            auth.apply(cfg, run_dir)
+            own_nats = auth.as_kind(cfg.nats, "supervisor")
+            console.print(f"a password per service kind; the read-only observer's is in {run_dir}/nats/observer.password"
+                          " (user observer)", highlight=False)
     cfg.nats.url = url  # so that `chorus status --config <run_dir>/config.yaml` finds the live run
     config_file = run_dir / "config.yaml"  # written once the run id is known to be new (or resumed)
 
-    sup = Supervisor(run_dir / "logs", env=child_env(cfg))
+    sup = Supervisor(run_dir / "logs", env=child_env(cfg), passwords=auth.passwords if auth else {})
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     signals: list[int] = []
@@ -377,7 +400,7 @@ async def run_up(config_path: Path | None, *, timeout_s: float | None = None, co
     tracker: RunTracker | None = None
     code = 1
     try:
-        nc = await connect(url, "chorus-up", timeout_s=cfg.nats.connect_timeout_s, nats_cfg=cfg.nats,
+        nc = await connect(url, "chorus-up", timeout_s=cfg.nats.connect_timeout_s, nats_cfg=own_nats,
                            kind="supervisor")
         if resume is None and await _run_exists(nc, cfg.run.id):
             # a new run never inherits another's KV versions, streams or objects

@@ -61,7 +61,9 @@ async def test_a_new_user_runs_watches_reads_and_exports_the_tiny_chain(tmp_path
         run_id = next(m.group(1) for line in lines if (m := re.match(r"run (\S+) in ", line)))
         assert run_id.startswith("tiny-chain-"), lines
         # the live run, watched with what the install brings
-        watching = asyncio.create_task(run(sys.executable, str(script), url, run_id, env=env, timeout_s=600))
+        password = tmp_path / "runs" / run_id / "nats" / "observer.password"
+        watching = asyncio.create_task(run(sys.executable, str(script), url, run_id, str(password), env=env,
+                                           timeout_s=600))
         await asyncio.wait([watching, asyncio.create_task(up.wait())], return_when=asyncio.FIRST_COMPLETED)
         assert watching.done(), "the run ended before the subscriber saw three steps:\n" + "\n".join(lines[-60:])
         code, text = watching.result()

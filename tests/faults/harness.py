@@ -32,6 +32,20 @@ SERVICE_KINDS = ("coordinator", "actions", "mq", "trainer", "rollouter", "params
 SLOT = "slot"  # a training pool's slot worker (train.pool.slots), killed in the middle of a micro-batch
 POOL_MODELS = ["planner_lm", "solver_lm", "checker_lm", "answer_lm"]  # configs/pool-tiny.yaml
 PER_MODEL_KINDS = ("mq", "trainer", "rollouter", "paramsync")  # one process per model; the others serve all
+# SIGTERM lands while the target is in the middle of its work, as seen in its status reply: paramsync inside a sync,
+# a trainer with micro-batches accumulated towards a step, mq holding samples, a rollouter generating, the coordinator
+# and actions with episodes and actions in flight.
+BUSY: dict[str, Callable[[dict[str, Any]], bool]] = {
+    "paramsync": lambda s: s.get("syncing") is not None,
+    "trainer": lambda s: s.get("accumulated", 0) > 0,
+    "mq": lambda s: s.get("held", 0) > 0,
+    "rollouter": lambda s: s.get("in_flight", 0) + s.get("queued", 0) > 0,
+    "coordinator": lambda s: s.get("in_flight", 0) > 0,
+    "actions": lambda s: s.get("in_flight", 0) > 0,
+}
+# The shortest stop grace of the deployments: `chorus up` (supervisor.STOP_GRACE_S); compose, systemd and Kubernetes
+# give 45 s.
+TERM_GRACE_S = 20.0
 LAGGING = "(lagging)"  # a Fault's model: whichever is furthest from the end, so the fault lands mid-run
 
 
@@ -58,7 +72,9 @@ def fault_config(tmp_path: Path, run_id: str, *, max_versions: int, replicas: in
     cfg = yaml.safe_load((ROOT / "configs" / "tiny-chain.yaml").read_text())
     cfg["run"] = {"id": run_id, "dir": str(tmp_path / "runs"), "seed": 0, "restart_delay_s": 1.0}
     cfg.pop("nats", None)
-    cfg["nats"] = {"replicas": replicas}
+    # the ledger watches from outside the kinds' permissions (every sample, every rollouter's control subject), so
+    # an embedded server (the resume tests) is left open
+    cfg["nats"] = {"replicas": replicas, "embedded_auth": False}
     for m in cfg["models"].values():
         m["rollouter"]["request_timeout_s"] = 10.0
     cfg["workflow"]["concurrency"] = concurrency
@@ -131,7 +147,8 @@ class Broker:
 
 @dataclass
 class Fault:
-    """One injected fault: ``target`` is a service kind or ``nats``, ``action`` ``kill`` or ``stop``."""
+    """One injected fault: ``target`` is a service kind or ``nats``, ``action`` ``kill``, ``stop`` or ``term``
+    (SIGTERM in the middle of the target's work, see :data:`BUSY`: it must exit 0 within :data:`TERM_GRACE_S`)."""
 
     target: str
     action: str
@@ -144,6 +161,9 @@ class Fault:
     ended_at: float = 0.0  # wall time the process or node was back (restarted, thawed; killed for good: the kill)
     landed_at: dict[str, int] = field(default_factory=dict)  # trained version of every model when it was injected
     recovered_s: float = 0.0  # from then until every model trained a sample generated after it
+    stop_s: float = 0.0  # term: seconds from SIGTERM to the exit
+    exit_code: int | None = None  # term: the exit code
+    busy: str = ""  # term: what the target was doing when the signal came
 
     @property
     def name(self) -> str:
@@ -228,6 +248,8 @@ class FaultRun:
                 node.signal(signal.SIGSTOP)
                 await asyncio.sleep(fault.down_s)
                 node.signal(signal.SIGCONT)
+        elif fault.action == "term":
+            before = await self._terminate(fault)
         else:
             if fault.target == "rollouter":  # hit one with requests in flight: they must run again elsewhere
                 fault.instance = await self._busy_instance(fault.model)  # signalled the moment it is seen busy
@@ -254,6 +276,41 @@ class FaultRun:
         fault.ended_at = time.time()
         # The next fault waits until every model still training committed a version past this one's.
         await self._until(lambda: self._moved(before), 180, f"training going on after {fault.name}")
+
+    async def _terminate(self, fault: Fault, timeout_s: float = 60.0) -> dict[str, int]:
+        """SIGTERM the target at a random moment while it is busy (:data:`BUSY`), time its exit, start it again."""
+        await asyncio.sleep(self.rng.uniform(0.0, 1.0))
+        key = self._key(fault)
+        status_model = fault.model if fault.per_model else None
+        deadline = time.monotonic() + timeout_s
+        while True:
+            s = await self.ledger.status(fault.target, status_model, fault.instance)
+            if s and BUSY[fault.target](s):
+                fault.busy = ", ".join(f"{k}={s.get(k)}" for k in ("syncing", "accumulated", "held", "in_flight")
+                                       if s.get(k) not in (None, 0))
+                break
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{key} never seen busy within {timeout_s:.0f}s\n" + "\n".join(self.log))
+            await asyncio.sleep(0.005)
+        child = self.cluster.sup.children[key]
+        self.intended.add(key)
+        t0 = time.monotonic()
+        child.popen.send_signal(signal.SIGTERM)
+        before = await self.ledger.trained()
+        fault.landed_at = dict(before)
+        try:
+            code = await asyncio.wait_for(asyncio.to_thread(child.popen.wait), TERM_GRACE_S + 40)
+        except TimeoutError:
+            child.popen.send_signal(signal.SIGUSR1)  # its stacks, into its log
+            await asyncio.sleep(1.0)
+            child.popen.kill()
+            code = await asyncio.to_thread(child.popen.wait)
+        fault.stop_s, fault.exit_code = round(time.monotonic() - t0, 2), code
+        self.log.append(f"{time.strftime('%H:%M:%S')} {fault.name} ({fault.busy}) at {before}: exit {code} after "
+                        f"{fault.stop_s}s")
+        self._start(key)
+        self.intended.discard(key)
+        return before
 
     async def _kill_slot(self, fault: Fault) -> dict[str, int]:
         """SIGKILL a slot worker of the training pool while it runs a micro-batch: asked every few milliseconds which
@@ -362,6 +419,9 @@ class FaultRun:
         problems += self.critic_report.problems() if self.critic_report is not None else []
         problems += [f"rollouter {p}" for p in paused]
         problems += [f"fault {f.name} never recovered" for f in faults if f.recovered_s == float("inf")]
+        problems += [f"{f.target} took {f.stop_s}s to stop on SIGTERM ({f.busy}; grace {TERM_GRACE_S:.0f}s), exit "
+                     f"{f.exit_code}" for f in faults if f.action == "term" and
+                     (f.exit_code != 0 or f.stop_s > TERM_GRACE_S)]
         problems += [f"fault {f.name} landed after the run had finished ({f.landed_at})" for f in faults
                      if not self._mid_run(f)]
         return Outcome(faults, reports, problems, self.unexpected, round(time.monotonic() - t0, 1), paused)

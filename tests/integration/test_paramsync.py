@@ -278,7 +278,8 @@ async def test_a_restarted_paramsync_aborts_the_sync_it_left_half_done(nats_url:
     ps = None
     try:
         reply = await nc.request(names.rollout_control(MODEL, "0", "pause"), encode(
-            RolloutControl(verb="pause", version=1, timeout_s=2, peer=f"{names.prefix}.probe.alive")), timeout=10)
+            RolloutControl(verb="pause", version=1, timeout_s=2, lease_s=60, peer=f"{names.prefix}.probe.alive")),
+            timeout=10)
         assert decode(RolloutControlReply, reply.data).paused
         kv = await nc.jetstream().key_value(names.kv_bucket)
         await kv.put(names.sync_key(MODEL), json.dumps({"phase": "running", "version": 1, "instances": ["0"]}).encode())

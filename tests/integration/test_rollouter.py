@@ -201,6 +201,50 @@ async def test_a_pause_without_a_controller_expires_and_the_instance_resumes(nat
         assert await asyncio.wait_for(task, 30) == 0
 
 
+async def _paused_for(nc: nats.aio.client.Client, svc: RollouterService, ctl: RolloutControl) -> float:
+    """Send ``ctl`` (a pause nobody resumes) and return how long the instance stayed paused."""
+    m = await nc.request(svc.names.rollout_control(MODEL, "0", "pause"), encode(ctl), timeout=10)
+    t0 = asyncio.get_running_loop().time()
+    assert decode(RolloutControlReply, m.data).ok and svc.batcher.paused
+    await wait_until(lambda: not svc.batcher.paused, "the instance resumed by itself", interval_s=0.02)
+    return asyncio.get_running_loop().time() - t0
+
+
+async def test_a_pause_lasts_as_long_as_it_says_with_the_default_sync_timeouts(nats_url: str, run_id: str,
+                                                                               tmp_path: Path) -> None:
+    # The default paramsync timeouts (30 s pause, 60 s load): one stray pause whose own timeout is 1 s, with no
+    # resume after it, once froze the instance for 1.5 x (30 + 60) + 1 = 136 s whatever it said.
+    svc = RollouterService(write_config(tmp_path, run_id), nats_url=nats_url, instance="0", model=MODEL)
+    task = await start(svc)
+    nc = await nats.connect(nats_url)
+    try:
+        paused = await _paused_for(nc, svc, RolloutControl(verb="pause", timeout_s=1))
+        assert 1.0 <= paused < 20, paused  # its own second (and the probe interval), not the sync's 136 s
+        paused = await _paused_for(nc, svc, RolloutControl(verb="pause", timeout_s=1, lease_s=3))
+        assert 3.0 <= paused < 22, paused  # a lease named in the message wins over the drain timeout
+        assert svc.counters["auto_resumes"] == 2
+    finally:
+        await nc.close()
+        svc.stop()
+        assert await asyncio.wait_for(task, 30) == 0
+
+
+async def test_no_pause_outlasts_paramsync_max_pause_s(nats_url: str, run_id: str, tmp_path: Path) -> None:
+    cfg = write_config(tmp_path, run_id, extra="paramsync: {pause_timeout_s: 0.5, load_timeout_s: 0.5, "
+                                                "max_pause_s: 2}\n")
+    svc = RollouterService(cfg, nats_url=nats_url, instance="0", model=MODEL)
+    task = await start(svc)
+    nc = await nats.connect(nats_url)
+    try:
+        paused = await _paused_for(nc, svc, RolloutControl(verb="pause", timeout_s=1, lease_s=1e9))
+        assert 2.0 <= paused < 20, paused
+        assert svc.counters["auto_resumes"] == 1
+    finally:
+        await nc.close()
+        svc.stop()
+        assert await asyncio.wait_for(task, 30) == 0
+
+
 def write_lora_config(tmp_path: Path, run_id: str) -> ChorusConfig:
     p = tmp_path / "lora.yaml"
     p.write_text(

@@ -84,3 +84,33 @@ def test_tools_read_and_only_admin_deletes(kind):
     assert may_publish("admin", "$JS.API.STREAM.DELETE.CHORUS_R1_EVENTS")
     assert may_publish("supervisor", "$JS.API.STREAM.CREATE.CHORUS_R1_EVENTS")
     assert not may_publish("observer", "$JS.API.STREAM.CREATE.CHORUS_R1_EVENTS")
+
+
+def test_the_observer_sees_the_data_plane_chorus_monitor_raw_shows_and_publishes_none_of_it():
+    for subject in (N.traj("m"), N.ready("m"), N.dlq("rollouter"), N.metrics("trainer", "m-0"), N.events("mq")):
+        assert may_subscribe("observer", subject) and not may_publish("observer", subject), subject
+    assert not may_publish("observer", "_INBOX.abc")  # so it cannot answer a request it sees
+    assert not may_subscribe("supervisor", N.traj("m"))
+
+
+def test_generated_passwords_are_what_nats_server_reads_from_its_environment_as_strings(tmp_path):
+    # nats-server parses a variable's value from its environment as a config value: a password like "2026-12..."
+    # was read as a date and the embedded server did not start.
+    import os
+    import subprocess
+
+    from shared.kernel.credentials import password_env
+    from shared.launcher.localauth import LocalAuth, new_password
+    from shared.launcher.natsserver import nats_server_binary
+
+    assert all(new_password()[0].isalpha() for _ in range(200))
+    auth = LocalAuth({kind: new_password() for kind in KINDS})
+    (tmp_path / "auth.conf").write_text(auth.conf())
+    (tmp_path / "s.conf").write_text('listen: 127.0.0.1:4222\ninclude "auth.conf"\n')
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CHORUS_NATS_PASSWORD_")}
+    r = subprocess.run([nats_server_binary(), "-t", "-c", str(tmp_path / "s.conf")], capture_output=True, text=True,
+                       env={**env, **auth.server_env()})
+    assert r.returncode == 0, r.stderr
+    bad = {**env, **auth.server_env(), password_env("observer"): "2026-12-01"}
+    assert subprocess.run([nats_server_binary(), "-t", "-c", str(tmp_path / "s.conf")], capture_output=True,
+                          env=bad).returncode != 0

@@ -1,0 +1,50 @@
+"""SIGTERM at random moments of a service's work: every service kind exits 0 within its grace period, and nothing is
+lost or trained twice."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tests.faults.harness import (
+    LAGGING,
+    PER_MODEL_KINDS,
+    TERM_GRACE_S,
+    Broker,
+    Fault,
+    FaultRun,
+    describe,
+    fault_config,
+    table,
+)
+
+VERSIONS = 80
+KINDS = ("paramsync", "trainer", "rollouter", "mq", "coordinator", "actions")
+
+
+# in `make test-long` (CI) and `make faults`
+@pytest.mark.full
+async def test_sigterm_in_the_middle_of_a_sync_a_step_or_a_batch_ends_every_service_within_its_grace(
+        tmp_path, run_id, fault_table):
+    # Each kind twice (paramsync three times: a sync is short, and its stop was the one that hung), each while
+    # busy (inside a sync, with micro-batches accumulated, samples held, rows generating, episodes or actions in
+    # flight) and after a random delay; each restarted at once, as a supervisor would.
+    rng = random.Random(7)
+    plan = [k for k in KINDS for _ in range(3 if k == "paramsync" else 2)]
+    rng.shuffle(plan)
+    # a per-model kind on whichever model is behind, so that it lands while that model still trains
+    faults = [Fault(kind, "term", 3 + 4 * i, LAGGING if kind in PER_MODEL_KINDS else "solver_lm", down_s=0.0)
+              for i, kind in enumerate(plan)]
+    broker = Broker.single(tmp_path / "nats")
+    try:
+        config = fault_config(tmp_path, run_id, max_versions=VERSIONS)
+        outcome = await FaultRun(tmp_path, run_id, broker, config, max_versions=VERSIONS, seed=7).run(faults)
+    finally:
+        broker.stop()
+    fault_table.append(("SIGTERM of every kind while it is busy", outcome))
+    print(table([("sigterm", outcome)]))
+    print("stops:", [(f.name, f.model if f.per_model else "", f.busy, f.stop_s, f.exit_code) for f in outcome.faults])
+    assert not outcome.problems, describe(outcome)
+    assert not outcome.unexpected_exits, describe(outcome)
+    assert all(f.exit_code == 0 and f.stop_s <= TERM_GRACE_S for f in outcome.faults), describe(outcome)
