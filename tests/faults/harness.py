@@ -29,6 +29,7 @@ from tests.waits import WAIT_S
 MODELS = ["solver_lm", "verifier_lm"]
 MARFT_MODELS = ["reasoner_lm", "actor_lm"]  # configs/marft-tiny.yaml
 SERVICE_KINDS = ("coordinator", "actions", "mq", "trainer", "rollouter", "paramsync", "critic")
+EVERYTHING = "all"  # every service process at once (term: the whole stack stopped in the middle of a sync)
 SLOT = "slot"  # a training pool's slot worker (train.pool.slots), killed in the middle of a micro-batch
 POOL_MODELS = ["planner_lm", "solver_lm", "checker_lm", "answer_lm"]  # configs/pool-tiny.yaml
 PER_MODEL_KINDS = ("mq", "trainer", "rollouter", "paramsync")  # one process per model; the others serve all
@@ -248,6 +249,8 @@ class FaultRun:
                 node.signal(signal.SIGSTOP)
                 await asyncio.sleep(fault.down_s)
                 node.signal(signal.SIGCONT)
+        elif fault.action == "term" and fault.target == EVERYTHING:
+            before = await self._terminate_all(fault)
         elif fault.action == "term":
             before = await self._terminate(fault)
         else:
@@ -310,6 +313,50 @@ class FaultRun:
                         f"{fault.stop_s}s")
         self._start(key)
         self.intended.discard(key)
+        return before
+
+    async def _terminate_all(self, fault: Fault, timeout_s: float = 60.0) -> dict[str, int]:
+        """SIGTERM every service process at once while ``fault.model``'s paramsync is inside a sync (as `chorus up`,
+        compose or systemd stop a whole deployment), time the slowest exit, start them all again."""
+        await asyncio.sleep(self.rng.uniform(0.0, 1.0))
+        deadline = time.monotonic() + timeout_s
+        while not BUSY["paramsync"](await self.ledger.status("paramsync", fault.model, "0")):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no sync of {fault.model} seen within {timeout_s:.0f}s")
+            await asyncio.sleep(0.005)
+        children = dict(self.cluster.sup.children)
+        self.intended.update(children)
+        t0 = time.monotonic()
+        for child in children.values():
+            with contextlib.suppress(ProcessLookupError):
+                child.popen.send_signal(signal.SIGTERM)
+        before = await self.ledger.trained()
+        fault.landed_at, fault.busy = dict(before), f"{fault.model} syncing"
+
+        async def stopped(child: Any) -> tuple[float, int]:
+            try:
+                code = await asyncio.wait_for(asyncio.to_thread(child.popen.wait), TERM_GRACE_S + 40)
+            except TimeoutError:
+                child.popen.send_signal(signal.SIGUSR2)  # its asyncio tasks' stacks, into its log
+                await asyncio.sleep(1.0)
+                child.popen.kill()
+                code = await asyncio.to_thread(child.popen.wait)
+            return time.monotonic() - t0, code
+
+        results = dict(zip(children, await asyncio.gather(*(stopped(c) for c in children.values())), strict=True))
+        slowest = max(results, key=lambda k: results[k][0])
+        fault.stop_s = round(results[slowest][0], 2)
+        bad = {k: code for k, (_, code) in results.items() if code != 0}
+        fault.exit_code = next(iter(bad.values())) if bad else 0
+        self.log.append(f"{time.strftime('%H:%M:%S')} {fault.name} ({fault.busy}) at {before}: slowest {slowest} "
+                        f"{fault.stop_s}s, non-zero exits {bad or 'none'}")
+        for key in children:  # the coordinator last, as at the start
+            if not key.startswith("coordinator"):
+                self._start(key)
+        for key in children:
+            if key.startswith("coordinator"):
+                self._start(key)
+        self.intended.difference_update(children)
         return before
 
     async def _kill_slot(self, fault: Fault) -> dict[str, int]:
@@ -385,7 +432,7 @@ class FaultRun:
         watcher = asyncio.create_task(self._watch_exits())
         try:
             for fault in faults:
-                if fault.target not in SERVICE_KINDS + ("nats", SLOT):
+                if fault.target not in SERVICE_KINDS + ("nats", SLOT, EVERYTHING):
                     raise ValueError(f"unknown fault target {fault.target!r}")
                 if fault.model == LAGGING:
                     await self._until(lambda v=fault.at_version: self._reached_all(v), timeout_s,

@@ -8,6 +8,7 @@ import random
 import pytest
 
 from tests.faults.harness import (
+    EVERYTHING,
     LAGGING,
     PER_MODEL_KINDS,
     TERM_GRACE_S,
@@ -48,3 +49,23 @@ async def test_sigterm_in_the_middle_of_a_sync_a_step_or_a_batch_ends_every_serv
     assert not outcome.problems, describe(outcome)
     assert not outcome.unexpected_exits, describe(outcome)
     assert all(f.exit_code == 0 and f.stop_s <= TERM_GRACE_S for f in outcome.faults), describe(outcome)
+
+
+@pytest.mark.full
+async def test_every_service_stopped_at_once_in_the_middle_of_a_sync_exits_within_its_grace(tmp_path, run_id,
+                                                                                            fault_table):
+    # The whole deployment SIGTERMed at once (chorus up's end, `docker compose down`, a node's shutdown) while a
+    # paramsync is inside a sync, three times, then started again: it was a paramsync in this state that once
+    # never stopped (its rollouters gone mid-sync). Two rollouter instances per model.
+    faults = [Fault(EVERYTHING, "term", at, model) for at, model in ((5, "solver_lm"), (15, "verifier_lm"),
+                                                                    (25, "solver_lm"))]
+    broker = Broker.single(tmp_path / "nats")
+    try:
+        config = fault_config(tmp_path, run_id, max_versions=40)
+        outcome = await FaultRun(tmp_path, run_id, broker, config, max_versions=40, seed=11, rollouters=2).run(faults)
+    finally:
+        broker.stop()
+    fault_table.append(("SIGTERM of every process at once mid-sync", outcome))
+    print("stops:", [(f.name, f.model, f.stop_s, f.exit_code) for f in outcome.faults])
+    assert not outcome.problems, describe(outcome)
+    assert not outcome.unexpected_exits, describe(outcome)
