@@ -10,7 +10,7 @@ CONFIG ?= configs/demo.yaml
 # The extras `make venv` installs. Not ucx: ucxx-cu12 pulls CUDA libraries (make venv-ucx adds it).
 VENV_EXTRAS := dev
 
-.PHONY: venv venv-ucx venv-vllm test-vllm venv-deepspeed test-deepspeed demo test test-long test-cuda test-ucx e2e faults soak lint plot bench docs check-cpu-deps clean
+.PHONY: compose-test test-hosts chaos venv venv-ucx venv-vllm test-vllm venv-deepspeed test-deepspeed demo test test-long test-cuda test-ucx e2e faults soak lint plot bench docs check-cpu-deps clean
 
 venv: $(STAMP)
 
@@ -80,6 +80,13 @@ test-long: venv
 	$(BIN)/pytest -q -p no:cacheprovider -m full --durations 4 tests/e2e/test_objectives.py tests/faults/test_resume.py \
 		tests/faults/test_sigterm.py tests/e2e/test_embedded_auth.py \
 		"tests/faults/test_long_run.py::test_the_tiny_run_at_concurrency_64_keeps_training_with_a_flat_consumer_count[1min]"
+
+# docker-compose.yml in a real Docker engine (tests/compose): where none runs, Debian's docker.io is installed and dockerd
+# started (as root) and stopped at the end; where no registry answers, the base images are built locally first. It
+# builds the image, runs `docker compose up --build --exit-code-from coordinator` on the tiny run, then a detached
+# run whose trainer, rollouter and NATS containers are killed, and `docker compose down -v` (docs/deploy.md).
+compose-test: venv
+	$(BIN)/pytest -q -p no:cacheprovider -m compose -s --durations 4 tests/compose
 
 # The tests that need ucxx (marked ucx; `make test` deselects them). They fail, not skip, without it.
 test-ucx: venv-ucx

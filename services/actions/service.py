@@ -12,6 +12,7 @@ from services.actions.actions import REGISTRY
 from services.actions.coderun import isolation
 from services.actions.pool import Outcome, WorkerPool
 from shared.kernel.codec import DecodeError, decode, encode
+from shared.kernel.config import ConfigError
 from shared.kernel.peers import accept
 from shared.kernel.schemas import ActionRequest, ActionResult
 from shared.kernel.service import Service
@@ -30,6 +31,12 @@ class ActionsService(Service):
         # worker: code actions then run unisolated (docs/sandbox.md).
         self.isolation = await asyncio.to_thread(isolation)
         mode, reason = self.isolation
+        if mode == "none" and acfg.isolation == "namespaces":
+            raise ConfigError(
+                f"actions.isolation is namespaces, but code cannot run in Linux namespaces here: {reason}. In a "
+                "container, allow them (docker: --security-opt seccomp=unconfined --security-opt "
+                "systempaths=unconfined, as docker-compose.yml does for actions; docs/sandbox.md); or set "
+                "actions.isolation: best_effort to run code without isolation")
         if mode == "none":
             self.log.warning(f"code actions run WITHOUT namespace isolation: {reason}")
         else:

@@ -588,6 +588,10 @@ class ActionsConfig(Section):
     age_s: float = Field(default=30.0, ge=0)
     timeout_s: float = Field(default=5.0, gt=0)
     memory_mb: int = Field(default=512, ge=16)
+    # namespaces: code actions run in Linux namespaces, and the actions service refuses to start (the run stops)
+    # where they do not work (docs/sandbox.md says what a container needs); best_effort: there, code runs in a
+    # forked child of the worker instead, with limits but no isolation, and the service says so at start
+    isolation: Literal["namespaces", "best_effort"] = "namespaces"
 
 
 class ParamSyncConfig(Section):

@@ -813,11 +813,29 @@ def clean(
 @app.command("nats-auth")
 def nats_auth(
     out: Annotated[Path | None, typer.Option("--out", "-o", help="write here (default: print)")] = None,
+    generate: Annotated[Path | None, typer.Option(
+        "--generate", help="write DIR/server/auth.conf with a new password per kind written in, and "
+        "DIR/<kind>/password for every kind (the compose stack's credentials)")] = None,
+    auth: Annotated[str, typer.Option("--auth", help="with --generate: generated, or none for an open server")]
+        = "generated",
+    owner: Annotated[int | None, typer.Option("--owner", help="with --generate: uid that owns the password files")]
+        = None,
 ) -> None:
     """The nats-server authorization config giving every Chorus client kind least-privilege permissions, derived
     from shared/kernel/subjects.py (the shipped copy is deploy/nats/auth.conf)."""
     from shared.launcher.natsauth import auth_conf
 
+    if generate is not None:
+        from shared.launcher.localauth import write_generated
+
+        if auth not in ("generated", "none"):
+            err.print(f"[red]error:[/] --auth {auth!r}: expected generated or none", highlight=False)
+            raise typer.Exit(2)
+        write_generated(generate, open_server=auth == "none", owner=owner)
+        console.print(f"wrote {generate}/server/auth.conf and a password per client kind under {generate} ("
+                      + ("an open server: no users" if auth == "none" else "a new password per kind") + ")",
+                      highlight=False)
+        return
     text = auth_conf()
     if out is None:
         sys.stdout.write(text)

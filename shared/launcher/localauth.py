@@ -62,10 +62,34 @@ class LocalAuth:
         cfg.nats.password_file = str(pattern)
         observer = Path(str(pattern).replace(PLACEHOLDER, OBSERVER))
         observer.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(observer, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(self.passwords[OBSERVER] + "\n")
+        _write_secret(observer, self.passwords[OBSERVER] + "\n", None, 0o600)
 
     def as_kind(self, nats: NatsSection, kind: str) -> NatsSection:
         """``nats`` with ``kind``'s password in it (for a connection made in this process)."""
         return nats.model_copy(update={"password": SecretStr(self.passwords[kind]), "password_file": None})
+
+
+def write_generated(out: Path, *, open_server: bool = False, owner: int | None = None) -> LocalAuth:
+    """Credentials for a deployment that makes them at start (the compose stack's one-shot ``credentials``):
+    ``out/server/auth.conf`` with the passwords written in (no users at all with ``open_server``) and
+    ``out/<kind>/password`` for every kind, each readable by ``owner`` (a uid) only. A kind's directory is its own
+    volume in docker-compose.yml, mounted by that kind's containers only."""
+    auth = LocalAuth({kind: new_password() for kind in KINDS})
+    server = out / "server"
+    server.mkdir(parents=True, exist_ok=True)
+    conf = "# an open server: `chorus nats-auth --generate --auth none`\n" if open_server else auth_conf(auth.passwords)
+    _write_secret(server / "auth.conf", conf, None, 0o600)
+    for kind, password in auth.passwords.items():
+        (out / kind).mkdir(parents=True, exist_ok=True)
+        _write_secret(out / kind / "password", password + "\n", owner, 0o400)
+    return auth
+
+
+def _write_secret(path: Path, text: str, owner: int | None, mode: int) -> None:
+    path.unlink(missing_ok=True)  # a file of the last start may be read-only
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    if owner is not None:
+        os.chown(path, owner, owner)
+    os.chmod(path, mode)

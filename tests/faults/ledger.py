@@ -81,7 +81,9 @@ class CriticReport:
 class Ledger:
     """Watches one run from its own connection; :meth:`report` reads the records and checks the invariants."""
 
-    def __init__(self, run_id: str, models: list[str], url: str, *, critic: bool = False) -> None:
+    def __init__(self, run_id: str, models: list[str], url: str, *, critic: bool = False,
+                 options: dict[str, Any] | None = None) -> None:
+        self.options = options or {}  # more of nats.connect: a user and password on a secured server
         self.critic = critic  # a MARFT run: its critic samples are watched too (:meth:`critic_report`)
         self.critic_published: set[str] = set()
         self.names = Names(run_id)
@@ -98,7 +100,7 @@ class Ledger:
     async def start(self) -> Ledger:
         # Reconnects forever once connected; the first connection must come within 10 s.
         self.nc = await asyncio.wait_for(nats.connect(servers=self.url.split(","), max_reconnect_attempts=-1,
-                                                      reconnect_time_wait=0.2), 10)
+                                                      reconnect_time_wait=0.2, **self.options), 10)
         for m in self.models:
             await self.nc.subscribe(self.names.traj(m), cb=self._on_sample)
         if self.critic:

@@ -187,3 +187,26 @@ async def test_a_streamed_batch_answers_each_action_as_soon_as_it_ends(actions: 
             assert res.action_id == "st" and res.errors == [None] and "cpus" in res.results[0], res
     finally:
         await nc.close()
+
+
+@pytest.mark.parametrize("setting", ["namespaces", "best_effort"])
+async def test_a_run_that_asks_for_isolation_does_not_start_without_it(nats_url, run_id, tmp_path, monkeypatch,
+                                                                       setting):
+    # As inside a container with Docker's default seccomp profile: unshare is not permitted.
+    import services.actions.service as actions_service
+    from shared.kernel.service import EX_RUN_FAILED
+
+    monkeypatch.setattr(actions_service, "isolation", lambda: ("none", "unshare: Operation not permitted"))
+    p = tmp_path / "c.yaml"
+    p.write_text(f"run: {{id: {run_id}, dir: {tmp_path}}}\nmodels: {{a: {{}}}}\n"
+                 f"agents: {{solver: {{model: a}}, verifier: {{model: a}}}}\nactions: {{isolation: {setting}}}\n")
+    svc = ActionsService(load_config(p), nats_url=nats_url)
+    task = asyncio.create_task(svc.serve())
+    if setting == "namespaces":  # the default: the service refuses to start, and the run stops (exit 78)
+        assert await asyncio.wait_for(task, 60) == EX_RUN_FAILED
+        assert getattr(svc, "_sub", None) is None
+        return
+    await wait_until(lambda: getattr(svc, "_sub", None) is not None or task.done(), "the actions service started")
+    assert svc.metrics_snapshot()["isolation"] == "none"
+    svc.stop()
+    assert await asyncio.wait_for(task, 30) == 0

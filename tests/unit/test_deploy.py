@@ -94,16 +94,78 @@ def test_compose_has_every_service_of_the_design_with_a_health_check_and_exits_w
     parses(run_id["command"])
 
 
-def test_compose_nats_is_the_development_version_with_a_jetstream_health_check(compose):
+NATS_SERVER = str(Path(sys.executable).with_name("nats-server"))
+
+
+def nats_server_accepts(command: list[str], volumes: list[dict[str, Any]], root: Path) -> tuple[bool, str]:
+    """Run the development nats-server with a compose service's exact arguments (``-t``: test the config and exit),
+    the container's files laid out under ``root``: its bind mounts copied, the `credentials` one-shot's volume
+    generated as it would be. nats-server prints its usage and exits 0 on a flag it does not know, so success is
+    its own word for it ("configuration file ... is valid")."""
+    from shared.launcher.localauth import write_generated
+
+    for v in volumes:
+        where = root / v["target"].lstrip("/")
+        if v["type"] == "bind":
+            where.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(v["source"], where)
+        elif v["source"] == "nats-auth":
+            write_generated(root / "secrets")
+            shutil.copytree(root / "secrets" / "server", where)
+        else:
+            where.mkdir(parents=True, exist_ok=True)
+    args = [str(root / a.lstrip("/")) if a.startswith("/") else a for a in command]
+    args = args[1:] if args[:1] == ["nats-server"] else args  # the image's entrypoint adds it before a -flag
+    r = subprocess.run([NATS_SERVER, *args, "-t"], capture_output=True, text=True, timeout=30)
+    out = r.stdout + r.stderr
+    return r.returncode == 0 and "is valid" in out, out
+
+
+def test_compose_nats_is_the_development_version_and_starts_with_the_compose_files_exact_arguments(compose, tmp_path):
     nats = compose["nats"]
-    version = subprocess.run([str(Path(sys.executable).with_name("nats-server")), "--version"],
-                             capture_output=True, text=True, timeout=10).stdout
+    version = subprocess.run([NATS_SERVER, "--version"], capture_output=True, text=True, timeout=10).stdout
     dev = re.search(r"v(\d+\.\d+\.\d+)", version)
     assert dev, version
     assert nats["image"].split(":")[1].split("-")[0] == dev.group(1)
-    assert "-js" in nats["command"]
-    port = opt(nats["command"], "-m")
+    ok, out = nats_server_accepts(nats["command"], nats["volumes"], tmp_path / "ok")
+    assert ok, out
+    # the command this file once shipped: nats-server has no --max_payload flag (it printed its usage, exited 0)
+    bad, out = nats_server_accepts(["-js", "-sd", "/data", "-m", "8222", "--max_payload", "8MB"], [], tmp_path / "bad")
+    assert not bad and "flag provided but not defined" in out, out
+    conf = next(v for v in nats["volumes"] if v["type"] == "bind")["source"]
+    text = Path(conf).read_text()
+    assert re.search(r"^max_payload: 8MB$", text, re.M) and re.search(r'store_dir: "/data"', text)
+    port = re.search(r"^http: 0\.0\.0\.0:(\d+)$", text, re.M).group(1)  # type: ignore[union-attr]
     assert f"http://127.0.0.1:{port}/healthz?js-enabled-only=true" in nats["healthcheck"]["test"]
+    assert nats["restart"] == "on-failure"  # a killed broker comes back on its volume
+    assert nats["depends_on"]["credentials"]["condition"] == "service_completed_successfully"
+
+
+def test_compose_gives_each_kind_its_own_credentials_and_nothing_else(compose):
+    creds = compose["credentials"]
+    assert creds["command"][:3] == ["nats-auth", "--generate", "/secrets"] and creds["attach"] is False
+    parses(creds["command"])
+    written = {v["target"].rsplit("/", 1)[1]: v["source"] for v in creds["volumes"]}
+    assert written.pop("server") == "nats-auth"
+    for name, s in compose.items():
+        if (s.get("command") or [None])[0] != "serve":
+            continue
+        kind = s["command"][1]
+        env = s["environment"]
+        assert env["CHORUS_NATS__USER"] == "{service}", name
+        assert env["CHORUS_NATS__PASSWORD_FILE"] == "/run/chorus/{service}/password", name
+        secrets = {v["source"]: v for v in s["volumes"] if v["source"].startswith("secret-")}
+        # its own kind's password and the read-only observer's (chorus health), read-only, no other kind's
+        assert set(secrets) == {written[kind], written["observer"]}, name
+        assert all(v["read_only"] and v["target"] == f"/run/chorus/{v['source'].removeprefix('secret-')}"
+                   for v in secrets.values()), name
+        assert "nats-auth" not in {v["source"] for v in s["volumes"]}, name
+    # the coordinator sends work once every other service answers its ping
+    others = {n for n, s in compose.items() if (s.get("command") or [None])[0] == "serve"} - {"coordinator"}
+    deps = compose["coordinator"]["depends_on"]
+    assert {n for n in others if deps.get(n, {}).get("condition") == "service_healthy"} == others
+    # the code sandbox's namespaces are allowed in the actions container (docs/sandbox.md)
+    assert set(compose["actions"]["security_opt"]) == {"seccomp=unconfined", "systempaths=unconfined"}
 
 
 def test_the_image_runs_every_shipped_config_on_cpu():

@@ -1,0 +1,43 @@
+"""`make compose-test`: a Docker engine for the session (started and stopped here when none ran), the image built
+once, a fresh project before each test."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.compose.engine import Engine, say
+from tests.compose.stack import Stack
+
+pytestmark = pytest.mark.compose
+WORK = Path("/var/tmp/chorus-compose-test")  # base images, the torch index: kept between runs
+
+
+@pytest.fixture(scope="session")
+def engine() -> Iterator[Engine]:
+    e = Engine.ensure(WORK)
+    yield e
+    for what, seconds in e.seconds.items():
+        say(f"{what}: {seconds:.0f}s")
+    e.close()
+
+
+@pytest.fixture(scope="session")
+def built(engine: Engine, tmp_path_factory: pytest.TempPathFactory) -> float:
+    """`docker compose build` of the image, timed (layers the engine already holds are reused)."""
+    stack = Stack(engine, tmp_path_factory.mktemp("build"))
+    seconds = stack.timed("build", timeout=3600)
+    say(f"docker compose build: {seconds}s")
+    return seconds
+
+
+@pytest.fixture
+def stack(engine: Engine, built: float, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Stack]:
+    env = getattr(request, "param", {})
+    s = Stack(engine, tmp_path, env=env)
+    s.run("down", "-v", "--remove-orphans", timeout=300, check=False)  # whatever an earlier run left
+    yield s
+    (tmp_path / "compose.log").write_text(s.logs())
+    s.run("down", "-v", "--remove-orphans", timeout=300, check=False)

@@ -1,0 +1,145 @@
+"""docker-compose.yml driven the way docs/deploy.md says, in a real Docker engine, under its own project name; a
+ledger attached from the host as the stack's admin (its password read as the docs read the observer's)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tests.compose.engine import Engine, say
+from tests.conftest import ROOT
+from tests.faults.ledger import Ledger
+
+PROJECT = "chorus-test"
+MODELS = ["solver_lm", "verifier_lm"]
+NATS_URL = "nats://127.0.0.1:4222"
+
+
+@dataclass
+class Stack:
+    engine: Engine
+    work: Path
+    env: dict[str, str] = field(default_factory=dict)  # set in every Chorus service's environment
+    override: Path = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.override = self.work / "docker-compose.test.yml"
+        services: dict[str, Any] = {}
+        for name, s in self.config()["services"].items():
+            extra: dict[str, Any] = {}
+            if "build" in s and (self.engine.build_args or self.engine.build_network):
+                extra["build"] = {"context": str(ROOT), "dockerfile": "deploy/Dockerfile",
+                                  "args": dict(self.engine.build_args),
+                                  **({"network": self.engine.build_network} if self.engine.build_network else {})}
+            if (s.get("command") or [None])[0] == "serve" and self.env:
+                extra["environment"] = dict(self.env)
+            if extra:
+                services[name] = extra
+        self.override.write_text(yaml.safe_dump({"services": services}))
+
+    # --- the compose CLI -----------------------------------------------------------------------------------------
+    def argv(self, *args: str, override: bool = True) -> list[str]:
+        files = ["-f", str(ROOT / "docker-compose.yml")] + (["-f", str(self.override)] if override else [])
+        return ["docker", "compose", "-p", PROJECT, *files, *args]
+
+    def config(self) -> dict[str, Any]:
+        r = subprocess.run(self.argv("config", "--format", "json", override=False), capture_output=True, text=True,
+                           cwd=ROOT, check=True, timeout=60)
+        return dict(json.loads(r.stdout))
+
+    def run(self, *args: str, timeout: float = 900, check: bool = True) -> subprocess.CompletedProcess[str]:
+        r = subprocess.run(self.argv(*args), capture_output=True, text=True, cwd=ROOT, timeout=timeout)
+        if check and r.returncode != 0:
+            raise AssertionError(f"docker compose {' '.join(args)} exited {r.returncode}:\n{r.stdout[-3000:]}\n"
+                                 f"{r.stderr[-3000:]}")
+        return r
+
+    def timed(self, *args: str, timeout: float = 1800) -> float:
+        t0 = time.monotonic()
+        self.run(*args, timeout=timeout)
+        return round(time.monotonic() - t0, 1)
+
+    def popen(self, *args: str, log: Path) -> subprocess.Popen[bytes]:
+        fh = open(log, "wb")  # noqa: SIM115 - the child holds it
+        return subprocess.Popen(self.argv(*args), cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT)
+
+    def cat(self, service: str, path: str) -> str | None:
+        """A file of a service's volumes, as docs/deploy.md reads one: ``docker compose run --rm --no-deps
+        --entrypoint cat <service> <path>``; None while it is not there."""
+        r = self.run("run", "--rm", "--no-deps", "-T", "--entrypoint", "cat", service, path, timeout=120, check=False)
+        return r.stdout.strip() if r.returncode == 0 and r.stdout.strip() else None
+
+    def container(self, service: str) -> str:
+        return f"{PROJECT}-{service}-1"
+
+    def inspect(self, service: str) -> dict[str, Any]:
+        r = subprocess.run(["docker", "inspect", self.container(service)], capture_output=True, text=True, timeout=60,
+                           check=True)
+        return dict(json.loads(r.stdout)[0])
+
+    def logs(self, *services: str) -> str:
+        return self.run("logs", "--no-color", *services, timeout=300, check=False).stdout
+
+    def leftovers(self) -> dict[str, list[str]]:
+        """Containers, networks and volumes of the project that docker still has."""
+        label = f"label=com.docker.compose.project={PROJECT}"
+        out = {}
+        for what, cmd in (("containers", ["docker", "ps", "-a", "-q", "--filter", label]),
+                          ("networks", ["docker", "network", "ls", "-q", "--filter", label]),
+                          ("volumes", ["docker", "volume", "ls", "-q", "--filter", label])):
+            out[what] = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.split()
+        return out
+
+    # --- the run, from the host --------------------------------------------------------------------------------
+    async def attach(self, timeout_s: float = 600) -> tuple[str, Ledger]:
+        """Once the stack's run id and credentials are written and NATS answers: the run id, and a ledger
+        connected as the stack's admin."""
+        deadline = time.monotonic() + timeout_s
+        run_id = password = None
+        while time.monotonic() < deadline:
+            run_id = run_id or await asyncio.to_thread(self.cat, "run-id", "/app/runs/.run-id")
+            password = password or await asyncio.to_thread(self.cat, "credentials", "/secrets/admin/password")
+            if run_id and password:
+                ledger = Ledger(run_id, MODELS, NATS_URL, options={
+                    "user": "admin", "password": password, "inbox_prefix": "_INBOX.admin", "connect_timeout": 2})
+                with contextlib.suppress(Exception):
+                    return run_id, await ledger.start()
+            await asyncio.sleep(1.0)
+        raise AssertionError(f"no run id, credentials or NATS within {timeout_s:.0f}s (run id {run_id!r})")
+
+    async def reattach(self, ledger: Ledger, timeout_s: float = 120) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                await ledger.start()
+                return
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(1.0)
+
+    async def wait_trained(self, ledger: Ledger, version: int, timeout_s: float, what: str,
+                           proc: subprocess.Popen[bytes] | None = None) -> dict[str, int]:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with contextlib.suppress(Exception):
+                trained = await ledger.trained()
+                if min(trained.values()) >= version:
+                    return trained
+            if proc is not None and proc.poll() is not None:
+                raise AssertionError(f"docker compose up exited {proc.returncode} before {what}")
+            await asyncio.sleep(1.0)
+        raise AssertionError(f"{what}: not within {timeout_s:.0f}s\n{self.logs()[-6000:]}")
+
+    def down(self) -> float:
+        t = self.timed("down", "-v", "--remove-orphans", timeout=300)
+        say(f"docker compose down -v: {t}s")
+        return t
