@@ -88,6 +88,13 @@ test-long: venv
 compose-test: venv
 	$(BIN)/pytest -q -p no:cacheprovider -m compose -s --durations 4 tests/compose
 
+# The tiny run on five hosts (network namespaces on one bridge, as root) deployed as deploy/systemd/ deploys it, with
+# the three-node TLS cluster of deploy/nats/; then, each on its own run, the partitions of a real network: a NATS
+# node's routes cut for 30 s, a rollouter's host, the trainer's host mid-commit and the coordinator's host cut off
+# (tests/hosts; docs/deploy.md).
+test-hosts: venv
+	$(BIN)/pytest -q -p no:cacheprovider -m hosts --durations 6 tests/hosts
+
 # The tests that need ucxx (marked ucx; `make test` deselects them). They fail, not skip, without it.
 test-ucx: venv-ucx
 	$(BIN)/pytest -q -p no:cacheprovider -m ucx

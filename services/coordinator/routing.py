@@ -50,8 +50,13 @@ class Host(Protocol):
     cfg: ChorusConfig
     counters: Counter[str]
     stopping: bool
+    link_settle_s: float
 
     def spawn(self, coro: Awaitable[None], name: str) -> asyncio.Task[None]: ...
+
+    def link_dropped_since(self, t0: float) -> bool: ...
+
+    async def wait_link(self, settle_s: float) -> None: ...
 
     async def to_dlq(self, subject: str, data: bytes, reason: str) -> None: ...
 
@@ -140,6 +145,7 @@ class RolloutRouter:
         tried: set[str] = set()
         launches = 0
         counters = self.host.counters
+        started = time.monotonic()  # since the coordinator's own connection was last steady
 
         def launch(attempt: Attempt) -> None:
             nonlocal launches
@@ -152,6 +158,11 @@ class RolloutRouter:
         try:
             while True:
                 if not pending:
+                    if self.host.link_dropped_since(started):  # the coordinator's own link: no attempt is spent
+                        counters["gen_waits_for_link"] += 1
+                        await self.host.wait_link(self.host.link_settle_s)
+                        started, launches, tried = time.monotonic(), 0, set()
+                        continue
                     if launches >= MAX_LAUNCHES or self.host.stopping:
                         raise TimeoutError(f"generation for {model}: no answer after {launches} attempt(s)")
                     attempt = (self.manager.dispatch(rid, model, rows, exclude=tried)

@@ -53,6 +53,7 @@ from shared.kernel.service import EX_RUN_FAILED, Service
 from shared.results.tracking import EVAL_TRACKER, Trackers
 
 MAX_ATTEMPTS = 8
+NOBODY_WARN_S = 30.0  # a request nobody has served this long is logged (then every 30 s more)
 PUBLISH_ACK_TIMEOUT_S = 10.0  # a sample's PubAck; then it is sent again
 BACKOFF_MAX_S = 5.0
 POLL_S = 0.05  # backpressure / budget re-check period
@@ -496,13 +497,27 @@ class CoordinatorService(Service):
         return min(BACKOFF_MAX_S, 0.1 * 2**attempt) * random.uniform(0.5, 1.0)
 
     async def _request(self, subject: str, data: bytes | Callable[[], bytes], timeout_s: float, what: str) -> bytes:
-        """Request with retries and backoff on timeout / no responders / a dead instance; raises Abandon when it
-        gives up. ``data`` may be made anew for each attempt (a generation request carries its deadline)."""
-        for attempt in range(MAX_ATTEMPTS):
+        """Request with retries and backoff on timeout / a dead instance; raises Abandon when it gives up. Nobody
+        subscribed (the services still loading their models, all of them restarting) and this coordinator's own
+        connection down are waited out, not counted as attempts. ``data`` may be made anew for each attempt (a
+        generation request carries its deadline)."""
+        attempt = 0
+        waiting = 0.0  # since when nobody has answered (no responders)
+        while attempt < MAX_ATTEMPTS:
+            t0 = time.monotonic()
             try:
                 return await self.mux.request(subject, data() if callable(data) else data, timeout_s)
             except nats.errors.NoRespondersError:
                 self.counters[f"{what}_no_responders"] += 1
+                waiting = waiting or t0
+                if time.monotonic() - waiting > NOBODY_WARN_S:
+                    self.log.warning("nobody serves this subject yet; waiting", subject=subject,
+                                     seconds=round(time.monotonic() - waiting))
+                    waiting = time.monotonic()
+                if self.stopping:
+                    break
+                await asyncio.sleep(self._backoff(min(attempt + 3, 6)))
+                continue
             except PeerGone:
                 self.counters[f"{what}_peer_gone"] += 1
             except NotAccepted:
@@ -513,11 +528,22 @@ class CoordinatorService(Service):
                 if self.stopping or self.nc.is_closed or self.nc.is_draining:
                     raise Abandon(f"{what} request failed: {type(exc).__name__}: {exc}") from exc
                 self.counters[f"{what}_connection_errors"] += 1  # reconnecting: wait and try again
-            self.counters[f"{what}_retries"] += 1
             if self.stopping:
                 break
+            if self.link_dropped_since(t0):  # this side of the network failed, not the peer: not an attempt
+                self.counters[f"{what}_waits_for_link"] += 1
+                await self.wait_link(self.link_settle_s)
+                continue
+            self.counters[f"{what}_retries"] += 1
             await asyncio.sleep(self._backoff(attempt))
-        raise Abandon(f"{what} request to {subject} got no answer after {attempt + 1} attempt(s)")
+            attempt += 1
+        raise Abandon(f"{what} request to {subject} got no answer after {attempt} attempt(s)")
+
+    @property
+    def link_settle_s(self) -> float:
+        """After this coordinator's own connection came back: the time the rollouters' load reports take to list
+        them again (those missed while it was away expired them)."""
+        return self.cfg.balance.report_interval_s * (self.cfg.balance.misses + 1)
 
     async def _generate(self, model: str, adapter: str | None, prompts: list[list[int]], *,
                         max_new_tokens: int, temperature: float, top_p: float,

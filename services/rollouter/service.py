@@ -275,6 +275,14 @@ class RollouterService(Service):
         owner = self.names.status("paramsync", self.model, str(state.get("paramsync", "0")))
         return await probe(self.nc, owner, self.cfg.peers.probe_timeout_s) is not Liveness.DEAD
 
+    async def on_disconnected(self) -> None:
+        """Out of routing while cut off: nats-py would resubscribe the generation subjects on reconnecting, and the
+        instance answer with the weights it held before, however far paramsync moved the model meanwhile. It joins
+        again from its catch-up loop, once it holds the served version."""
+        if self.routing and not self.stopping:
+            self.counters["left_routing_disconnected"] += 1
+            await self._leave_routing("its connection to NATS dropped")
+
     async def _join_routing(self) -> None:
         if self.routing or self.stopping:
             return

@@ -154,6 +154,7 @@ class TrainerService(Service):
             "done": getattr(self, "done", False),
             "epoch": getattr(self, "epoch", None),
             "commit_s": round(self.commits.seconds, 3) if hasattr(self, "commits") else 0.0,
+            "committing": getattr(self, "committing", None),  # the version being committed (objects, then KV)
             **({"weights": dict(self.source.counters)} if hasattr(self, "source") else {}),
         }
 
@@ -492,17 +493,22 @@ class TrainerService(Service):
         header, buf = await self._torch(self._flatten, self.source.spare())
         state = await self._torch(self._pack, record)
         wait = COMMIT_BACKOFF_S[0]
-        while True:
-            try:
-                ann = await self.commits.commit(header, buf, state, self.source.transport)
-                break
-            except (nats.errors.Error, TimeoutError) as exc:
-                self.counters["commit_retries"] += 1
-                self.log.warning("commit failed; retrying", version=header.version, error=f"{type(exc).__name__}: {exc}")
-                if self.stopping:
-                    return None
-                await asyncio.sleep(wait)
-                wait = min(COMMIT_BACKOFF_S[1], wait * 2)
+        self.committing: int | None = header.version
+        try:
+            while True:
+                try:
+                    ann = await self.commits.commit(header, buf, state, self.source.transport)
+                    break
+                except (nats.errors.Error, TimeoutError) as exc:
+                    self.counters["commit_retries"] += 1
+                    self.log.warning("commit failed; retrying", version=header.version,
+                                     error=f"{type(exc).__name__}: {exc}")
+                    if self.stopping:
+                        return None
+                    await asyncio.sleep(wait)
+                    wait = min(COMMIT_BACKOFF_S[1], wait * 2)
+        finally:
+            self.committing = None
         if self.source is not self.commits.weights:
             await self.source.publish(header, buf)
         self.counters["commits"] += 1

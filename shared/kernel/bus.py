@@ -7,7 +7,7 @@ import base64
 import contextlib
 import hashlib
 import json
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -42,7 +42,8 @@ class BrokerUnreachable(ConnectionError):
 
 
 async def connect(url: str, name: str, *, timeout_s: float = 5.0, nats_cfg: NatsSection | None = None,
-                  kind: str | None = None, on_denied: Callable[[str, str], None] | None = None) -> NATS:
+                  kind: str | None = None, on_denied: Callable[[str, str], None] | None = None,
+                  on_disconnected: Callable[[], Awaitable[None]] | None = None) -> NATS:
     """Connect, trying the servers of ``url`` for ``timeout_s`` in all (then :class:`BrokerUnreachable`); once
     connected, reconnects are unlimited and connection problems are logged, not raised later.
 
@@ -50,7 +51,8 @@ async def connect(url: str, name: str, *, timeout_s: float = 5.0, nats_cfg: Nats
     server it reaches and reconnects to a surviving one when its server goes. With ``nats_cfg`` and ``kind`` the
     client authenticates as that kind (:func:`shared.kernel.credentials.client_options`: user/password, token, nkey,
     creds, TLS). A permissions violation the server reports is logged with its operation and subject and passed
-    to ``on_denied(operation, subject)``; the connection stays up.
+    to ``on_denied(operation, subject)``; the connection stays up. ``on_disconnected`` is awaited whenever the
+    connection drops (not on a close of our own).
     """
     options = client_options(nats_cfg, kind) if nats_cfg is not None and kind is not None else {}
     last_error: list[str] = []
@@ -75,6 +77,8 @@ async def connect(url: str, name: str, *, timeout_s: float = 5.0, nats_cfg: Nats
             log.debug("nats connection closed", client=name)
         else:
             log.warning("nats disconnected", client=name)
+            if on_disconnected is not None:
+                await on_disconnected()
 
     async def on_reconnect() -> None:
         log.info("nats reconnected", client=name)
@@ -88,6 +92,8 @@ async def connect(url: str, name: str, *, timeout_s: float = 5.0, nats_cfg: Nats
         max_reconnect_attempts=-1,
         reconnect_time_wait=0.5,
         allow_reconnect=True,
+        ping_interval=nats_cfg.ping_interval_s if nats_cfg is not None else NatsSection().ping_interval_s,
+        max_outstanding_pings=2,
         error_cb=on_error,
         disconnected_cb=on_disconnect,
         reconnected_cb=on_reconnect,

@@ -66,6 +66,14 @@ class NatsSection(Section):
     url: str | None = None
     max_payload_mb: int = Field(default=8, ge=1, le=64)
     connect_timeout_s: float = 5.0  # the whole budget for reaching a server at start (all attempts): then exit 69
+    # A client pings its server this often; two pings unanswered make the connection stale and the client moves to
+    # another server of the URL. It is how a client notices a server cut off by the network (no error ever comes
+    # on a connection whose packets are dropped): nats-py's own default of 120 s left it stuck for four minutes.
+    ping_interval_s: float = Field(default=10.0, gt=0)
+    # A server cut off from the rest of its cluster keeps answering pings but can no longer serve JetStream: every
+    # service asks its server for JetStream's account info this often, and after three failures in a row moves to
+    # another server of the cluster (one it learnt of, or of the URL). 0: never (a single server has nowhere to go).
+    jetstream_check_s: float = Field(default=5.0, ge=0)
     # Copies of every stream, KV bucket and object store Chorus creates: 3 on a three-node cluster survives the
     # loss of any one node; 1 on a single server (more needs a cluster with at least that many nodes).
     replicas: int = Field(default=1, ge=1, le=5)

@@ -95,6 +95,25 @@ class Service:
     async def teardown(self) -> None:
         """Drain in-flight work before the connection drains."""
 
+    async def on_disconnected(self) -> None:
+        """The connection to NATS dropped (it reconnects by itself, resubscribing what is subscribed then)."""
+
+    async def _disconnected(self) -> None:
+        self._last_drop = time.monotonic()
+        self.counters["disconnects"] += 1
+        await self.on_disconnected()
+
+    def link_dropped_since(self, t0: float) -> bool:
+        """Whether this service's own connection to NATS is down, or dropped since monotonic time ``t0``: a request
+        that failed then failed on this side of the network, not on the peer's."""
+        return not self.nc.is_connected or getattr(self, "_last_drop", 0.0) >= t0
+
+    async def wait_link(self, settle_s: float) -> None:
+        """Until connected again and ``settle_s`` past the last drop (peers' heartbeats have come back)."""
+        while not self.stopping and (not self.nc.is_connected
+                                     or time.monotonic() - getattr(self, "_last_drop", 0.0) < settle_s):
+            await asyncio.sleep(0.2)
+
     def periodic_metrics(self) -> dict[str, Any]:
         """What only the periodic metrics message carries (records since the last one), not the status reply."""
         return {}
@@ -124,7 +143,8 @@ class Service:
                 if getattr(self, "nc", None) is None or self.nc.is_closed:
                     self.nc = await connect(self.nats_url, self.client_name,
                                             timeout_s=self.cfg.nats.connect_timeout_s, nats_cfg=self.cfg.nats,
-                                            kind=self.name, on_denied=self._on_denied)
+                                            kind=self.name, on_denied=self._on_denied,
+                                            on_disconnected=self._disconnected)
                 self.js = self.nc.jetstream(timeout=10.0)
                 self.kv, self.obj = await ensure_run(self.js, self.cfg)
                 return
@@ -161,6 +181,8 @@ class Service:
         )
         await self.setup()
         self.spawn(self._metrics_loop(), "metrics")
+        if self.cfg.nats.jetstream_check_s > 0:
+            self.spawn(self._server_watch(), "server-watch")
         if self.exit_when_done:
             self.spawn(self._done_loop(), "exit-when-done")
         self.log.info("service started", nats=self.nats_url, auth=describe(self.cfg.nats, self.name))
@@ -411,6 +433,34 @@ class Service:
         while not self.stopping:
             await self.publish_quietly(subject, encode_json({**self.metrics_snapshot(), **self.periodic_metrics()}))
             await asyncio.sleep(self.cfg.metrics_interval_s)
+
+    async def _server_watch(self) -> None:
+        """Move to another server of the cluster when this one stops serving JetStream for three checks in a row
+        while the connection itself stays up: a server in a minority partition answers pings, but no stream it
+        holds a replica of may take a write there, and no core message reaches the rest of the cluster."""
+        every = self.cfg.nats.jetstream_check_s
+        misses = 0
+        while not self.stopping:
+            await asyncio.sleep(every)
+            if not self.nc.is_connected:
+                misses = 0
+                continue
+            try:
+                reply = await self.nc.request("$JS.API.INFO", b"", timeout=min(every, 2.0))
+                failed = b'"error"' in reply.data
+            except (nats.errors.Error, TimeoutError):
+                failed = True
+            misses = misses + 1 if failed else 0
+            others = [s for s in self.nc.servers if s.netloc != (self.nc.connected_url.netloc
+                                                                  if self.nc.connected_url else None)]
+            if misses >= 3 and others:
+                self.counters["server_moves"] += 1
+                self.log.warning("this NATS server has served no JetStream for three checks; moving to another "
+                                 "server of the cluster", server=str(self.nc.connected_url.netloc
+                                                                     if self.nc.connected_url else None),
+                                 every_s=every)
+                misses = 0
+                await self.nc.force_reconnect()
 
     async def _done_loop(self) -> None:
         """--exit-when-done: stop (exit 0) once the run has finished, read from the run's KV."""

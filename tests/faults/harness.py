@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import nats.errors
 import yaml
 
 from shared.launcher.natsserver import NatsCluster, NatsServer
@@ -29,6 +30,7 @@ from tests.waits import WAIT_S
 MODELS = ["solver_lm", "verifier_lm"]
 MARFT_MODELS = ["reasoner_lm", "actor_lm"]  # configs/marft-tiny.yaml
 SERVICE_KINDS = ("coordinator", "actions", "mq", "trainer", "rollouter", "paramsync", "critic")
+HOST = "host"  # cut: a host of a deployment with hosts, cut off from the others by the network
 EVERYTHING = "all"  # every service process at once (term: the whole stack stopped in the middle of a sync)
 SLOT = "slot"  # a training pool's slot worker (train.pool.slots), killed in the middle of a micro-batch
 POOL_MODELS = ["planner_lm", "solver_lm", "checker_lm", "answer_lm"]  # configs/pool-tiny.yaml
@@ -43,6 +45,7 @@ BUSY: dict[str, Callable[[dict[str, Any]], bool]] = {
     "rollouter": lambda s: s.get("in_flight", 0) + s.get("queued", 0) > 0,
     "coordinator": lambda s: s.get("in_flight", 0) > 0,
     "actions": lambda s: s.get("in_flight", 0) > 0,
+    "committing": lambda s: s.get("committing") is not None,  # a trainer between its step and its commit point
 }
 # The shortest stop grace of the deployments: `chorus up` (supervisor.STOP_GRACE_S); compose, systemd and Kubernetes
 # give 45 s.
@@ -159,6 +162,11 @@ class Fault:
     instance: str = "0"  # which instance of the service (a rollouter: the first found with requests in flight)
     down_s: float = 5.0  # kill: restarted this much later (< 0: never); stop: frozen this long
     rank: int = 0  # a DeepSpeed trainer group (trainer.backend deepspeed): the rank killed (0: the service itself)
+    host: str = ""  # cut: the host cut off from the others (a deployment with hosts: tests/hosts/)
+    port: int | None = None  # cut: only TCP to or from this port (6222: a NATS node's routes)
+    when: str = ""  # cut: a key of :data:`BUSY` on ``model``'s service of that kind: cut at such a moment
+    healed_at: dict[str, int] = field(default_factory=dict)  # cut: trained version of every model at the heal
+    cut_at: float = 0.0  # cut: wall time of the cut
     ended_at: float = 0.0  # wall time the process or node was back (restarted, thawed; killed for good: the kill)
     landed_at: dict[str, int] = field(default_factory=dict)  # trained version of every model when it was injected
     recovered_s: float = 0.0  # from then until every model trained a sample generated after it
@@ -168,6 +176,9 @@ class Fault:
 
     @property
     def name(self) -> str:
+        if self.action == "cut":
+            return f"cut {self.host}" + (f" port {self.port}" if self.port else "") + (f" ({self.when})"
+                                                                                      if self.when else "")
         where = f"node {self.node}" if self.target == "nats" else self.target
         return f"{self.action} {where}" + (f" rank {self.rank}" if self.rank else "")
 
@@ -192,7 +203,8 @@ class FaultRun:
 
     def __init__(self, tmp_path: Path, run_id: str, broker: Broker, config: Path, *, max_versions: int,
                  seed: int = 0, rollouters: int = 1, models: list[str] | None = None, critic: bool = False,
-                 pool: bool = False) -> None:
+                 pool: bool = False, cluster: Any = None, ledger_url: str | None = None,
+                 ledger_options: dict[str, Any] | None = None) -> None:
         self.tmp_path, self.run_id, self.broker, self.config = tmp_path, run_id, broker, config
         self.models = list(models or MODELS)  # the config's models (tiny-chain's by default)
         self.critic = critic  # a MARFT run: its critic is started, and its samples accounted for
@@ -204,8 +216,9 @@ class FaultRun:
         self.rollouters = rollouters  # instances per model; a fault on the rollouter hits one with work in flight
         self.coordinator_status: dict[str, Any] = {}  # its metrics snapshot once the run finished
         self.rng = random.Random(seed)
-        self.cluster = Cluster(config, broker.url, tmp_path / "logs")
-        self.ledger = Ledger(run_id, self.models, broker.url, critic=critic)
+        # the service processes: local ones, or another deployment of the same shape (tests/hosts/deployment.py)
+        self.cluster = cluster if cluster is not None else Cluster(config, broker.url, tmp_path / "logs")
+        self.ledger = Ledger(run_id, self.models, ledger_url or broker.url, critic=critic, options=ledger_options)
         self.deadline = float("inf")  # monotonic time by which :meth:`run` must be done (its timeout_s)
         self.intended: set[str] = set()  # keys killed on purpose (not unexpected exits)
         self.unexpected: list[str] = []
@@ -249,6 +262,8 @@ class FaultRun:
                 node.signal(signal.SIGSTOP)
                 await asyncio.sleep(fault.down_s)
                 node.signal(signal.SIGCONT)
+        elif fault.action == "cut":
+            before = await self._cut(fault)
         elif fault.action == "term" and fault.target == EVERYTHING:
             before = await self._terminate_all(fault)
         elif fault.action == "term":
@@ -313,6 +328,39 @@ class FaultRun:
                         f"{fault.stop_s}s")
         self._start(key)
         self.intended.discard(key)
+        return before
+
+    async def _cut(self, fault: Fault, timeout_s: float = 60.0) -> dict[str, int]:
+        """Cut ``fault.host`` off from the other hosts for ``fault.down_s`` (at a ``fault.when`` moment of
+        ``fault.target``'s ``fault.instance`` of ``fault.model``, when given), then heal it."""
+        if fault.when:
+            service = "trainer" if fault.when == "committing" else fault.when
+            model = fault.model if service in PER_MODEL_KINDS else None
+            deadline = time.monotonic() + timeout_s
+            while not BUSY[fault.when](status := await self.ledger.status(service, model, fault.instance)):
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"{service} {fault.model}/{fault.instance} never {fault.when} in {timeout_s:.0f}s")
+                await asyncio.sleep(0.002)
+            fault.busy = ", ".join(f"{k}={status.get(k)}" for k in ("committing", "in_flight", "queued", "syncing")
+                                   if status.get(k) not in (None, 0))
+        # read before the cut (the ledger's own server may be on the far side of it), then cut at once
+        before = await self.ledger.trained()
+        self.cluster.cut(fault.host, port=fault.port)
+        fault.cut_at = time.time()
+        fault.landed_at = dict(before)
+        self.log.append(f"{time.strftime('%H:%M:%S')} {fault.name} at {before}")
+        await asyncio.sleep(fault.down_s)
+        self.cluster.heal(fault.host)
+        deadline = time.monotonic() + 120
+        while True:  # just after the heal
+            try:
+                fault.healed_at = await self.ledger.trained()
+                break
+            except (nats.errors.Error, TimeoutError):
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.5)
+        self.log.append(f"{time.strftime('%H:%M:%S')} healed {fault.host} at {fault.healed_at}")
         return before
 
     async def _terminate_all(self, fault: Fault, timeout_s: float = 60.0) -> dict[str, int]:
@@ -432,7 +480,7 @@ class FaultRun:
         watcher = asyncio.create_task(self._watch_exits())
         try:
             for fault in faults:
-                if fault.target not in SERVICE_KINDS + ("nats", SLOT, EVERYTHING):
+                if fault.target not in SERVICE_KINDS + ("nats", SLOT, EVERYTHING, HOST):
                     raise ValueError(f"unknown fault target {fault.target!r}")
                 if fault.model == LAGGING:
                     await self._until(lambda v=fault.at_version: self._reached_all(v), timeout_s,

@@ -94,6 +94,7 @@ class Ledger:
         self.steps: dict[str, list[tuple[float, list[str]]]] = {m: [] for m in models}  # (time, ids) per record
         self.seen: dict[str, dict[str, int]] = {m: {"served": 0, "trained": 0} for m in models}
         self.regression: dict[str, dict[str, int]] = {m: {"served": 0, "trained": 0} for m in models}
+        self.served_at: dict[str, list[tuple[float, int]]] = {m: [] for m in models}  # (wall time, served) changes
         self.nc: NATS | None = None
         self._poll: asyncio.Task[None] | None = None
 
@@ -181,6 +182,8 @@ class Ledger:
                         seen = self.seen[m][what]
                         self.regression[m][what] = max(self.regression[m][what], seen - v)
                         self.seen[m][what] = max(seen, v)
+                        if what == "served" and (not self.served_at[m] or self.served_at[m][-1][1] != v):
+                            self.served_at[m].append((time.time(), v))
             except (nats.errors.Error, TimeoutError, ValueError):
                 continue  # the broker is down or failing over: read again later
 
@@ -252,6 +255,10 @@ class Ledger:
             with contextlib.suppress(Exception):
                 await js.delete_consumer(stream, name)
         return out
+
+    def served_before(self, model: str, when: float) -> int:
+        """The served version of ``model`` last seen before wall time ``when`` (0 before any)."""
+        return max((v for t, v in self.served_at[model] if t <= when), default=0)
 
     def loop_turned(self, since: float) -> float:
         """Seconds from wall time ``since`` until every model still training then committed a step with a sample
