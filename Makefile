@@ -75,11 +75,13 @@ test: venv
 
 # The runs kept out of make test's 20 minutes, which CI runs beside it: a minute at concurrency 64 with a flat
 # JetStream consumer count, the tiny run under the decoupled and REINFORCE++ objectives, a killed run resumed (with
-# one trainer per model and with a training pool), SIGTERM of every kind mid-work, the embedded server's credentials.
+# one trainer per model and with a training pool), SIGTERM of every kind mid-work, the embedded server's credentials,
+# five minutes of chaos on the five hosts (as root).
 test-long: venv
 	$(BIN)/pytest -q -p no:cacheprovider -m full --durations 4 tests/e2e/test_objectives.py tests/faults/test_resume.py \
 		tests/faults/test_sigterm.py tests/e2e/test_embedded_auth.py \
 		"tests/faults/test_long_run.py::test_the_tiny_run_at_concurrency_64_keeps_training_with_a_flat_consumer_count[1min]"
+	CHAOS_MINUTES=5 $(BIN)/pytest -q -p no:cacheprovider -m chaos -s tests/hosts/test_chaos.py
 
 # docker-compose.yml in a real Docker engine (tests/compose): where none runs, Debian's docker.io is installed and dockerd
 # started (as root) and stopped at the end; where no registry answers, the base images are built locally first. It
@@ -94,6 +96,14 @@ compose-test: venv
 # (tests/hosts; docs/deploy.md).
 test-hosts: venv
 	$(BIN)/pytest -q -p no:cacheprovider -m hosts --durations 6 tests/hosts
+
+# Continuous chaos on the five hosts for MINUTES (default 30; SEED= repeats a draw): every 10-40 s a random SIGKILL or
+# SIGSTOP of a service process or NATS node, or a short partition; the ledger's invariants over the whole run and the
+# table of what was done when (runs/chaos/report.md). make test-long runs five minutes of it.
+MINUTES ?= 30
+SEED ?=
+chaos: venv
+	CHAOS_MINUTES=$(MINUTES) CHAOS_SEED=$(SEED) $(BIN)/pytest -q -p no:cacheprovider -m chaos -s --timeout 0 tests/hosts/test_chaos.py
 
 # The tests that need ucxx (marked ucx; `make test` deselects them). They fail, not skip, without it.
 test-ucx: venv-ucx
