@@ -1,6 +1,6 @@
 """The asynchronous pipeline, measured: one long-tail workload in `sync`, `microbatch` and `async` modes.
 
-    python loadtests/bench_pipeline.py [--steps 8] [--warmup 2]
+    python loadtests/bench_pipeline.py [--steps 8] [--warmup 2] [--sync interval|always|both]
 
 Every mode runs the same config (a tiny random-initialised model, one agent, response lengths from the
 Pareto distribution of loadtests/longtail_workflow.py) as separate `chorus serve` processes against one
@@ -11,6 +11,12 @@ compute seconds over the wall time) and of the rollouter (its generation seconds
 the staleness histogram of the trained samples. The last line is `speedup microbatch=<x> async=<y>`:
 sync's seconds per step divided by each mode's. Absolute times depend on the machine; the ratios are the
 result.
+
+``--sync both`` runs every mode on two servers side by side, one with JetStream's default fsync every two minutes
+and one with ``sync_interval: always`` (``nats.sync_always``: an acknowledged write is on disk), and also times
+acknowledged publishes of sample-sized messages on each; its last line is ``ratio always_vs_interval <mode>=<x>
+... publish=<y>``: each mode's seconds per step (and the publish rate's inverse) on the fsyncing server over the
+default one's.
 """
 
 from __future__ import annotations
@@ -195,14 +201,16 @@ async def run_mode(mode: str, url: str, work: Path, steps: int, warmup: int, cor
 
 
 async def main(steps: int, warmup: int, timeout_s: float, modes: tuple[str, ...] = MODES,
-               work_dir: Path | None = None) -> dict[str, dict[str, Any]]:
+               work_dir: Path | None = None, sync: str = "interval") -> dict[str, dict[str, Any]]:
     available = sorted(psutil.Process().cpu_affinity() or [0])
     cores = (available[0], available[-1])
     if cores[0] == cores[1]:
         print("only one core available: rollouter and trainer share it, so no mode can overlap them")
     with tempfile.TemporaryDirectory(prefix="chorus-bench-") as scratch:
         tmp = work_dir or scratch
-        results = await run_modes(Path(tmp), steps, warmup, cores, timeout_s, modes)
+        if sync == "both":
+            return await run_durability(Path(tmp), steps, warmup, cores, timeout_s, modes)
+        results = await run_modes(Path(tmp), steps, warmup, cores, timeout_s, modes, sync_always=sync == "always")
     if "sync" in results:
         sync = results["sync"]["step_s"]
         ratios = " ".join(f"{m}={sync / results[m]['step_s']:.2f}" for m in ("microbatch", "async") if m in results)
@@ -211,19 +219,68 @@ async def main(steps: int, warmup: int, timeout_s: float, modes: tuple[str, ...]
 
 
 async def run_modes(tmp: Path, steps: int, warmup: int, cores: tuple[int, int], timeout_s: float,
-                    modes: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+                    modes: tuple[str, ...], sync_always: bool = False) -> dict[str, dict[str, Any]]:
     results: dict[str, dict[str, Any]] = {}
-    with NatsServer(Path(tmp) / "nats") as server:
+    with NatsServer(Path(tmp) / "nats", sync_always=sync_always) as server:
         for mode in modes:
-            print(f"running {mode} ({warmup} warm-up + {steps} measured steps) ...", flush=True)
-            r = await run_mode(mode, server.url, Path(tmp), steps, warmup, cores, timeout_s)
-            results[mode] = r
-            print(f"  {mode:<10} {r['step_s']:6.2f} s/step  trainer busy {r['trainer_busy']:.0%}  "
-                  f"rollouter busy {r['rollouter_busy']:.0%}  samples/step {r['samples_per_step']:.0f}  "
-                  f"staleness {r['staleness']}  dropped stale {r['dropped_stale']}", flush=True)
-            print(f"  per-step wall seconds: {r['per_step_s']}", flush=True)
-            print("  mean seconds per step: " + ", ".join(f"{k} {v:.2f}" for k, v in r["phases"].items())
-                  + (" (overlapping in async mode)" if mode == "async" else ""), flush=True)
+            results[mode] = await _one_mode(mode, server.url, tmp, steps, warmup, cores, timeout_s)
+    return results
+
+
+async def _one_mode(mode: str, url: str, tmp: Path, steps: int, warmup: int, cores: tuple[int, int],
+                    timeout_s: float, label: str = "") -> dict[str, Any]:
+    print(f"running {mode}{label} ({warmup} warm-up + {steps} measured steps) ...", flush=True)
+    Path(tmp).mkdir(parents=True, exist_ok=True)
+    r = await run_mode(mode, url, Path(tmp), steps, warmup, cores, timeout_s)
+    print(f"  {mode:<10} {r['step_s']:6.2f} s/step  trainer busy {r['trainer_busy']:.0%}  "
+          f"rollouter busy {r['rollouter_busy']:.0%}  samples/step {r['samples_per_step']:.0f}  "
+          f"staleness {r['staleness']}  dropped stale {r['dropped_stale']}", flush=True)
+    print(f"  per-step wall seconds: {r['per_step_s']}", flush=True)
+    print("  mean seconds per step: " + ", ".join(f"{k} {v:.2f}" for k, v in r["phases"].items())
+          + (" (overlapping in async mode)" if mode == "async" else ""), flush=True)
+    return r
+
+
+async def publish_rate(url: str, n: int = 2000, size: int = 2048) -> float:
+    """Acknowledged JetStream publishes per second of ``size``-byte messages (a sample's order of size), 64 in
+    flight at a time, to a file stream of this server."""
+    nc = await nats.connect(url)
+    try:
+        js = nc.jetstream(timeout=30)
+        stream = f"BENCH_{int(time.time() * 1000)}"
+        await js.add_stream(name=stream, subjects=[f"bench.{stream}"])
+        body = os.urandom(size)
+        t0 = time.perf_counter()
+        for start in range(0, n, 64):
+            await asyncio.gather(*(js.publish(f"bench.{stream}", body, headers={"Nats-Msg-Id": f"{stream}-{i}"})
+                                   for i in range(start, min(n, start + 64))))
+        rate = n / (time.perf_counter() - t0)
+        await js.delete_stream(stream)
+        return rate
+    finally:
+        await nc.close()
+
+
+async def run_durability(tmp: Path, steps: int, warmup: int, cores: tuple[int, int], timeout_s: float,
+                         modes: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+    """Every mode on a default server and on a sync_interval: always one, interleaved; acked publish rates."""
+    results: dict[str, dict[str, Any]] = {}
+    with NatsServer(tmp / "nats-interval") as interval, NatsServer(tmp / "nats-always", sync_always=True) as always:
+        servers = {"interval": interval, "always": always}
+        rates = {name: [] for name in servers}
+        for _ in range(3):
+            for name, server in servers.items():
+                rates[name].append(await publish_rate(server.url))
+        for name in servers:
+            print(f"acked publishes per second ({name}): {', '.join(f'{r:.0f}' for r in rates[name])}", flush=True)
+        for mode in modes:
+            for name, server in servers.items():
+                results[f"{mode}/{name}"] = await _one_mode(mode, server.url, tmp / name, steps, warmup, cores,
+                                                            timeout_s, label=f" on sync_interval {name}")
+    step = " ".join(f"{m}={results[f'{m}/always']['step_s'] / results[f'{m}/interval']['step_s']:.2f}"
+                    for m in modes)
+    publish = sorted(rates["interval"])[1] / sorted(rates["always"])[1]
+    print(f"ratio always_vs_interval {step} publish={publish:.2f}")
     return results
 
 
@@ -236,6 +293,9 @@ if __name__ == "__main__":
     ap.add_argument("--work-dir", type=Path, default=None, help="keep configs, run dirs and service logs here")
     ap.add_argument("--on-sync", choices=("drain", "interrupt"), default="drain",
                     help="rollouter.on_sync: what a weight sync does to rows mid-generation")
+    ap.add_argument("--sync", choices=("interval", "always", "both"), default="interval",
+                    help="JetStream's fsync: every 2 minutes (the default), on every write (nats.sync_always), or "
+                         "both side by side")
     a = ap.parse_args()
     modes = tuple(m.strip() for m in a.modes.split(",") if m.strip())
     if not modes or any(m not in MODES for m in modes):
@@ -243,4 +303,4 @@ if __name__ == "__main__":
     if a.warmup < 1 or a.steps < 1:
         ap.error("--warmup and --steps must be at least 1")
     ON_SYNC[0] = a.on_sync
-    asyncio.run(main(a.steps, a.warmup, a.timeout_s, modes, a.work_dir))
+    asyncio.run(main(a.steps, a.warmup, a.timeout_s, modes, a.work_dir, a.sync))

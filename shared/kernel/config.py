@@ -100,6 +100,11 @@ class NatsSection(Section):
     # its own, the observer's written to <run dir>/nats/observer.password (docs/security.md). false: an open server
     # on loopback, where any local process may publish on the run's subjects and write its KV.
     embedded_auth: bool = True
+    # The embedded server fsyncs every JetStream write before it acknowledges it (`sync_interval: always`), so an
+    # acknowledged sample survives a power cut, not only a crash; by default it fsyncs every 2 minutes. A server of
+    # your own takes `jetstream { sync_interval: always }` in its config (deploy/nats/*.conf). Its cost:
+    # docs/operations.md (loadtests/bench_pipeline.py --sync both).
+    sync_always: bool = False
 
     @property
     def servers(self) -> list[str]:

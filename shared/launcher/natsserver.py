@@ -73,7 +73,7 @@ class NatsServer:
                  log_file: str | os.PathLike[str] | None = None, server_name: str | None = None,
                  routes: Routes | None = None, monitor_port: int | None = None, tls: Tls | None = None,
                  include: str | os.PathLike[str] | None = None, tags: tuple[str, ...] = (),
-                 auth: str | None = None, env: dict[str, str] | None = None) -> None:
+                 auth: str | None = None, env: dict[str, str] | None = None, sync_always: bool = False) -> None:
         self.store_dir = Path(store_dir)
         self.port = port or free_port()
         self.max_payload_mb = max_payload_mb
@@ -86,6 +86,7 @@ class NatsServer:
         self.include = Path(include).resolve() if include is not None else None
         self.auth = auth  # an authorization config's text (accounts and users), written beside the server's config
         self.env = env  # extra environment of the server (the passwords auth.conf reads)
+        self.sync_always = sync_always  # fsync every JetStream write before acknowledging it
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -95,7 +96,8 @@ class NatsServer:
     def config_text(self) -> str:
         text = (f"listen: 127.0.0.1:{self.port}\n"
                 f"max_payload: {self.max_payload_mb * 1024 * 1024}\n"
-                f"jetstream {{\n  store_dir: \"{self.store_dir / 'jetstream'}\"\n}}\n")
+                f"jetstream {{\n  store_dir: \"{self.store_dir / 'jetstream'}\"\n"
+                + ("  sync_interval: always\n" if self.sync_always else "") + "}\n")
         if self.server_name:
             text += f"server_name: {self.server_name}\n"
         if self.tags:

@@ -373,7 +373,8 @@ async def run_up(config_path: Path | None, *, timeout_s: float | None = None, co
         # Started from this (the main) thread: it dies with `chorus up` however that ends.
         server = NatsServer(run_dir / "nats", max_payload_mb=cfg.nats.max_payload_mb,
                             port=_port_of(url) if resume is not None else None,
-                            auth=auth.conf() if auth else None, env=auth.server_env() if auth else None)
+                            auth=auth.conf() if auth else None, env=auth.server_env() if auth else None,
+                            sync_always=cfg.nats.sync_always)
         server.start()
         url = server.url
         console.print(f"embedded nats-server at {url} (log {server.log_file})")

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import nats
+import pytest
 import yaml
 
 from shared.kernel.bus import ensure_run
@@ -105,3 +106,35 @@ def test_the_shipped_cluster_and_single_node_configs_are_valid(tmp_path, monkeyp
     check = subprocess.run([nats_server_binary(), "-t", "-c", str(conf / "nats-1.conf")], capture_output=True,
                            text=True, timeout=30, env={**os.environ})
     assert check.returncode != 0 and password_env("trainer") in check.stderr + check.stdout
+
+
+@pytest.mark.parametrize("sync_always", [False, True])
+async def test_nats_sync_always_creates_the_runs_streams_on_a_server_that_fsyncs_every_write(tmp_path, sync_always):
+    """nats.sync_always: the embedded server runs with JetStream's sync_interval: always (its /varz says so), the
+    run's streams are created on it and take acknowledged writes."""
+    import json
+    import urllib.request
+
+    p = tmp_path / "c.yaml"
+    p.write_text(f"run: {{id: dur, dir: {tmp_path}}}\nnats: {{sync_always: {str(sync_always).lower()}}}\n"
+                 "models: {a: {}}\nagents: {solver: {model: a}, verifier: {model: a}}\n")
+    cfg = load_config(p)
+    assert cfg.nats.sync_always is sync_always
+    server = NatsServer(tmp_path / "nats", monitor_port=free_port(), sync_always=cfg.nats.sync_always).start()
+    try:
+        nc = await nats.connect(server.url)
+        try:
+            js = nc.jetstream(timeout=10)
+            await ensure_run(js, cfg)
+            names = Names("dur")
+            info = await js.stream_info(names.traj_stream("a"))
+            assert str(getattr(info.config.storage, "value", info.config.storage)) == "file"
+            ack = await js.publish(names.traj("a"), b"sample", headers={"Nats-Msg-Id": "s1"})
+            assert ack.seq == 1
+        finally:
+            await nc.close()
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.monitor_port}/varz", timeout=10) as r:
+            varz = json.loads(r.read())
+        assert varz["jetstream"]["config"].get("sync_always", False) is sync_always
+    finally:
+        server.stop()
