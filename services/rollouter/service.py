@@ -5,7 +5,8 @@ An instance is in routing (subscribed to the model's generation subjects) only w
 version: one whose load failed stays out, loads the served version by itself, and then comes back. It loads
 through the transport of the sync, or from the object store, where the trainer commits every version: a
 rollouter started after its trainer died still finds the served weights. Paused by a paramsync that then dies
-or freezes, it resumes by itself within a few probes.
+or freezes, it resumes by itself within a few probes; paused by a sync that is over (its paramsync gave up on
+this instance while the pause was on its way, and will send no resume), within two.
 
 Joining routing (at start, after a restart or a migration, after catching up) follows one order: register (so
 that every sync from now on lists it), then join only while no sync is running and with the served version
@@ -182,6 +183,7 @@ class RollouterService(Service):
         self._pause_until = 0.0  # monotonic time the current pause's lease runs out (pause and load renew it)
         self._pause_lease = 0.0
         self._probed = 0.0  # when the paused instance last probed its controller
+        self._paused_by: int | None = None  # the version of the sync whose pause holds this instance
         self.spawn(self._pause_watchdog(), "pause-watchdog")
         self.spawn(self._load_loop(), "load-reports")
 
@@ -412,6 +414,7 @@ class RollouterService(Service):
         if ctl.peer:
             self._controller = ctl.peer
         if verb == "pause":
+            self._paused_by = ctl.version if ctl.peer else None
             self.batcher.pause()
             drained = await self.batcher.drain(ctl.timeout_s)
             await self._control_reply(msg, ok=drained, error=None if drained else
@@ -458,12 +461,12 @@ class RollouterService(Service):
         (at most ``paramsync.max_pause_s``). A paramsync that dies between pause and resume, or a pause sent by
         anyone else, must not leave this instance paused for longer than it said."""
         peers = self.cfg.peers
-        misses = 0
+        misses = over = 0
         while True:
             # a short lease is honoured to within a fifth of a second, a controller probed every probe interval
             await asyncio.sleep(min(peers.probe_interval_s, 0.2))
             if not self.batcher.paused:
-                misses = 0
+                misses = over = 0
                 continue
             why = None
             if time.monotonic() > self._pause_until:
@@ -474,11 +477,36 @@ class RollouterService(Service):
                 misses = 0 if state is Liveness.ALIVE else misses + 1
                 if state is Liveness.DEAD or misses >= peers.misses:
                     why = f"the paramsync that paused it is {state.value}"
+                elif state is Liveness.ALIVE and self._paused_by is not None:
+                    # Two readings in a row, a probe interval apart: a KV read may lag the sync by a moment.
+                    over = over + 1 if await self._pausing_sync_over(self._paused_by) else 0
+                    if over >= 2:
+                        why = f"the sync of v{self._paused_by} that paused it is over and sent it no resume"
             if why is not None and self.batcher.paused:
                 self.batcher.resume()
-                misses = 0
+                misses = over = 0
+                self._paused_by = None
                 self.counters["auto_resumes"] += 1
                 self.log.warning("paused without a controller; resumed by itself", reason=why)
+
+    async def _pausing_sync_over(self, version: int) -> bool:
+        """Whether the sync of ``version`` no longer holds this instance: the phase in KV is not that sync running,
+        or that sync's listing does not name this instance (its paramsync found it unreachable and dropped it). A
+        paramsync resumes every instance it still counts before it writes "done", so a paused instance that reads
+        "done" was given up on. Unknown (the broker is away): not over, the lease still bounds the pause."""
+        assert self.model is not None
+        try:
+            entry = await self.kv.get(self.names.sync_key(self.model))
+            state = json.loads(entry.value or b"{}")
+        except nats.js.errors.KeyNotFoundError:
+            return True
+        except (nats.errors.Error, TimeoutError, ValueError):
+            return False
+        if not isinstance(state, dict):
+            return True
+        listed = state.get("instances") or []
+        return (state.get("phase") != "running" or state.get("version") != version
+                or (bool(listed) and self.instance not in listed))
 
     async def _on_load(self, msg: Msg, ctl: RolloutControl) -> None:
         t0 = time.perf_counter()

@@ -245,6 +245,58 @@ async def test_no_pause_outlasts_paramsync_max_pause_s(nats_url: str, run_id: st
         assert await asyncio.wait_for(task, 30) == 0
 
 
+async def test_a_pause_from_a_sync_that_gave_up_on_the_instance_ends_with_that_sync(nats_url: str, run_id: str,
+                                                                                      tmp_path: Path) -> None:
+    # A paramsync that found the instance unreachable (its pause was on its way through a broker restart) drops it
+    # from the sync and resumes only the others; it is alive, so its probes answer, and the load lease is 136 s.
+    svc = RollouterService(write_config(tmp_path, run_id), nats_url=nats_url, instance="0", model=MODEL)
+    task = await start(svc)
+    nc = await nats.connect(nats_url)
+    controller = "test.paramsync.status"
+
+    async def alive(m: nats.aio.msg.Msg) -> None:
+        await m.respond(b"{}")
+
+    sub = await nc.subscribe(controller, cb=alive)
+    js = nc.jetstream()
+    kv = await js.key_value(svc.names.kv_bucket)
+    key = svc.names.sync_key(MODEL)
+
+    async def sync_state(phase: str, version: int, instances: list[str]) -> None:
+        await kv.put(key, json.dumps({"phase": phase, "version": version, "instances": instances,
+                                      "paramsync": "0"}).encode())
+
+    try:
+        await sync_state("running", 7, ["0", "1"])
+        m = await nc.request(svc.names.rollout_control(MODEL, "0", "pause"),
+                             encode(RolloutControl(verb="pause", version=7, timeout_s=1, lease_s=136, peer=controller)),
+                             timeout=10)
+        assert decode(RolloutControlReply, m.data).ok and svc.batcher.paused
+        # while its sync runs and lists it, the pause holds (several probe intervals)
+        probes = svc.cfg.peers.probe_interval_s
+        await asyncio.sleep(4 * probes)
+        assert svc.batcher.paused and svc.counters["auto_resumes"] == 0
+        await sync_state("running", 7, ["1"])  # the sync dropped it: over for this instance
+        t0 = asyncio.get_running_loop().time()
+        await wait_until(lambda: not svc.batcher.paused, "the instance resumed by itself", interval_s=0.05)
+        assert asyncio.get_running_loop().time() - t0 < 30, "resumed by the lease, not by the sync's end"
+        assert svc.counters["auto_resumes"] == 1
+
+        await sync_state("running", 8, ["0"])
+        m = await nc.request(svc.names.rollout_control(MODEL, "0", "pause"),
+                             encode(RolloutControl(verb="pause", version=8, timeout_s=1, lease_s=136, peer=controller)),
+                             timeout=10)
+        assert decode(RolloutControlReply, m.data).ok and svc.batcher.paused
+        await sync_state("done", 8, ["0"])  # done, and no resume came
+        await wait_until(lambda: not svc.batcher.paused, "the instance resumed by itself", interval_s=0.05)
+        assert svc.counters["auto_resumes"] == 2
+    finally:
+        await sub.unsubscribe()
+        await nc.close()
+        svc.stop()
+        assert await asyncio.wait_for(task, 30) == 0
+
+
 def write_lora_config(tmp_path: Path, run_id: str) -> ChorusConfig:
     p = tmp_path / "lora.yaml"
     p.write_text(
