@@ -36,6 +36,22 @@ def _free_subnet() -> ipaddress.IPv4Network:
     raise RuntimeError("no free /24 in 10.213.0.0/16 for the test's hosts")
 
 
+def ensure_iptables() -> None:
+    """iptables, installed from Debian's package where it is missing (a fresh machine; CI runs as root)."""
+    if shutil.which("iptables"):
+        return
+    if not shutil.which("apt-get"):
+        raise RuntimeError("the host deployment partitions hosts with iptables: install it (no apt-get here)")
+    print("no iptables: installing Debian's iptables (apt-get)", flush=True)
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    for argv in (["apt-get", "update"], ["apt-get", "install", "-y", "--no-install-recommends", "iptables"]):
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
+        if r.returncode != 0:
+            raise RuntimeError(f"{' '.join(argv)}: exit {r.returncode}: {r.stderr.strip()[-2000:]}")
+    if not shutil.which("iptables"):
+        raise RuntimeError("apt-get installed iptables, but no iptables is on PATH")
+
+
 STALE = re.compile(r"^ch[0-9a-f]{4}-\S+")
 
 
@@ -80,6 +96,7 @@ class Network:
     def __post_init__(self) -> None:
         if os.geteuid() != 0:
             raise RuntimeError("the host deployment makes network namespaces: run as root (CI does)")
+        ensure_iptables()
         self.net = _free_subnet()
         self.switch = f"{self.prefix}-sw"
         self._made: list[str] = []
