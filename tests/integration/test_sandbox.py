@@ -43,18 +43,49 @@ def _cmdlines() -> Iterator[tuple[int, bytes]]:
                 continue
 
 
-def _sandbox_processes() -> list[int]:
-    """Host processes running as a sandbox's uid."""
-    pids = []
-    for name in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{name}/status") as f:
-                uid = next(int(line.split()[1]) for line in f if line.startswith("Uid:"))
-        except (OSError, StopIteration, ValueError):
-            continue
-        if uid >= coderun.UID_BASE:
+def _parent(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def _ours(pid: int) -> bool:
+    """Whether ``pid`` is alive and descends from this test process."""
+    me = os.getpid()
+    for _ in range(64):
+        if pid == me:
+            return True
+        if pid <= 1:
+            return False
+        pid = _parent(pid)
+    return False
+
+
+def _sandbox_processes(settle_s: float = 3.0) -> list[int]:
+    """Host processes running as a sandbox's uid that this test left behind. A sandbox's uid is UID_BASE + its PID 1's
+    host pid: a process whose PID 1 still runs outside this test process is another live sandbox (the other test
+    worker's), not a leak; one whose PID 1 is gone, or is ours, is. Read again until none is left or ``settle_s``
+    passed (a namespace whose PID 1 has just exited is being emptied by the kernel)."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        pids = []
+        for name in os.listdir("/proc"):
+            try:
+                with open(f"/proc/{name}/status") as f:
+                    uid = next(int(line.split()[1]) for line in f if line.startswith("Uid:"))
+            except (OSError, StopIteration, ValueError):
+                continue
+            if uid < coderun.UID_BASE:
+                continue
+            owner = uid - coderun.UID_BASE
+            if os.path.exists(f"/proc/{owner}") and not _ours(owner):
+                continue  # another worker's sandbox, still running
             pids.append(int(name))
-    return pids
+        if not pids or time.monotonic() > deadline:
+            return pids
+        time.sleep(0.1)
 
 
 def test_this_host_runs_code_in_namespaces():
