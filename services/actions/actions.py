@@ -9,7 +9,9 @@ from collections.abc import Callable
 from contextvars import ContextVar
 from typing import Any
 
+from services.actions import rewardfn
 from services.actions.coderun import run_code as run_code_in_child
+from shared.rlmath import gsm8k, rgym
 from shared.rlmath.mathanswer import extract_answer, math_equal
 
 Action = Callable[[dict[str, Any]], dict[str, Any]]
@@ -124,6 +126,62 @@ def run_code(payload: dict[str, Any]) -> dict[str, Any]:
             f"run_code needs string 'code' and 'tests', got {type(code).__name__} and {type(tests).__name__}"
         )
     return run_code_in_child(code, tests, code_deadline(payload.get("timeout_s")))
+
+
+@register("check_gsm8k")
+def check_gsm8k(payload: dict[str, Any]) -> dict[str, Any]:
+    """Payload ``{"expected", "response"}`` -> ``{"reward", "correct", "answer"}``: 1.0 when the response's final
+    number (``shared.rlmath.gsm8k``) equals the expected one, else 0.0."""
+    expected, response = expected_and_response("check_gsm8k", payload)
+    reward, answer = gsm8k.score(response, expected)
+    return {"reward": reward, "correct": reward == 1.0, "answer": answer}
+
+
+@register("score_reasoning_gym")
+def score_reasoning_gym(payload: dict[str, Any]) -> dict[str, Any]:
+    """Payload ``{"response", "dataset", "config", "seed", "size", "index"}`` -> that reasoning-gym dataset's own
+    ``score_answer`` of the response's ``<answer>`` (the entry is regenerated here, cached per worker)."""
+    response, name, config = payload.get("response"), payload.get("dataset"), payload.get("config") or {}
+    seed, size, index = payload.get("seed"), payload.get("size"), payload.get("index")
+    if not isinstance(response, str) or not isinstance(name, str) or not isinstance(config, dict) or not all(
+            isinstance(v, int) and not isinstance(v, bool) for v in (seed, size, index)):
+        raise ValueError("score_reasoning_gym needs string 'response' and 'dataset', dict 'config' and integer "
+                         f"'seed', 'size', 'index'; got {sorted(payload)}")
+    assert isinstance(seed, int) and isinstance(size, int) and isinstance(index, int)
+    return rgym.score(name, config, seed, size, index, response)
+
+
+def humaneval_program(response: str, prompt: str, entry_point: str) -> str:
+    """The program a HumanEval response stands for: its fenced (or whole) code alone when it defines
+    ``entry_point``, else the prompt followed by it (a body completion)."""
+    blocks = re.findall(r"```[ \t]*(?:python|py)?[ \t]*\n(.*?)(?:```|$)", response, re.DOTALL | re.IGNORECASE)
+    code = blocks[-1] if blocks else response
+    if re.search(rf"^def\s+{re.escape(entry_point)}\s*\(", code, re.MULTILINE):
+        # the prompt's imports (typing, math) stay: a full function often leans on them
+        imports = "".join(line + "\n" for line in prompt.splitlines() if line.startswith(("import ", "from ")))
+        return imports + code
+    return prompt + code
+
+
+@register("check_humaneval")
+def check_humaneval(payload: dict[str, Any]) -> dict[str, Any]:
+    """Payload ``{"response", "prompt", "entry_point", "test", "timeout_s"?}`` -> ``run_code``'s result: the
+    program, the problem's ``check`` function, then one test, ``check(entry_point)`` returning cleanly."""
+    response, prompt = payload.get("response"), payload.get("prompt")
+    entry_point, test = payload.get("entry_point"), payload.get("test")
+    if not all(isinstance(v, str) for v in (response, prompt, entry_point, test)):
+        raise ValueError("check_humaneval needs string 'response', 'prompt', 'entry_point' and 'test'")
+    assert isinstance(response, str) and isinstance(prompt, str) and isinstance(entry_point, str)
+    tests = f"{test}\n\nassert check({entry_point}) is None\n"
+    return run_code_in_child(humaneval_program(response, prompt, entry_point), tests,
+                             code_deadline(payload.get("timeout_s")))
+
+
+@register("compute_score")
+def compute_score(payload: dict[str, Any]) -> dict[str, Any]:
+    """The user's reward function (``reward.function``) on ``{"function", "data_source", "solution_str",
+    "ground_truth", "extra_info"}`` -> ``{"reward", "correct", "scores"}``; raises when it fails."""
+    return rewardfn.compute(payload)
 
 
 @register("echo")

@@ -418,6 +418,10 @@ class CoordinatorService(Service):
     def _record(self, ep: Episode) -> None:
         self.counters["tasks_done"] += 1
         self.counters["groups_incomplete_dropped"] += ep.dropped_groups
+        if ep.reward_errors:
+            self.counters["samples_dropped_reward_error"] += len(ep.reward_errors)
+            self.log.warning("samples dropped: the reward function failed", task=ep.task.task_id,
+                             count=len(ep.reward_errors), reason=ep.reward_errors[0][:300])
         self.counters["turns_untrained"] += ep.untrained_turns
         for agent, rewards in ep.rewards.items():
             mean = sum(rewards) / max(1, len(rewards))
@@ -622,6 +626,8 @@ class CoordinatorService(Service):
                 continue
             failed = sum(e is not None for e in result.errors)
             if failed:
-                self.counters["act_row_errors"] += failed  # those rows score 0
+                self.counters["act_row_errors"] += failed  # those rows score 0 (a reward function's: dropped)
+                return [{**r, "action_error": e} if e is not None else r
+                        for r, e in zip(result.results, result.errors, strict=False)]
             return result.results
         raise Abandon(f"{kind} actions failed after retries")

@@ -11,10 +11,11 @@ import json
 import random
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from services.coordinator import datasets
 from shared.kernel.config import TaskConfig
 
 MAX_DRAWS = 10_000  # draws without a new question before a task space counts as exhausted
@@ -27,6 +28,10 @@ class Task:
     answer: str  # e.g. "7"; for code tasks a reference solution
     tests: str | None = None  # code tasks: top-level assert statements, each one test
     kind: Literal["math", "code"] = "math"
+    # The action that scores a response (None: the task's default, scoring.check) and what it needs besides
+    # {"response", "expected", "finished"}: a dataset task's own check (check_gsm8k, score_reasoning_gym, ...).
+    check: str | None = None
+    meta: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
 
 
 def solve(a: int, op: str, b: int, modulo: int | None) -> str:
@@ -169,8 +174,8 @@ def make_task(rng: random.Random, cfg: TaskConfig, task_id: str | None = None) -
         question, solution, tests = code_problem(rng, cfg.max_value)
         tid = f"{rng.getrandbits(48):012x}"
         return Task(task_id=task_id or tid, question=question, answer=solution, tests=tests, kind="code")
-    if cfg.name == "jsonl":
-        raise ValueError("jsonl tasks come from task.path: use TaskSource or load_jsonl, not make_task")
+    if cfg.name == "jsonl" or cfg.name in datasets.DATASETS:
+        raise ValueError(f"{cfg.name} tasks come from a dataset: use TaskSource or heldout_tasks, not make_task")
     a = rng.randint(0, cfg.max_operand)
     b = rng.randint(0, cfg.max_operand)
     op = rng.choice(cfg.ops)
@@ -265,6 +270,10 @@ def heldout_tasks(cfg: TaskConfig, n: int, seed: int) -> list[Task]:
         )
     if cfg.name == "jsonl":
         return _split_jsonl(cfg, n)[1]
+    if cfg.name == "reasoning_gym":
+        return datasets.rg_heldout(cfg, n, seed)
+    if cfg.name in datasets.DATASETS:
+        return datasets.split_pool(cfg, cfg.heldout, seed)[1][:n]
     # A string seed: a separate seed space from the training stream's integer seed.
     rng = random.Random(f"heldout-{seed}")
     seen: set[str] = set()
@@ -298,15 +307,27 @@ class TaskSource:
         self._pool: list[Task] = []
         self._order: list[int] = []
         self._held: set[str] = set()
+        self.seed = seed
+        self._rg_index = -1  # reasoning_gym: the last dataset index drawn
         if cfg.name == "jsonl":
             self._pool = _split_jsonl(cfg, cfg.heldout)[0]
+        elif cfg.name in datasets.DATASETS and cfg.name != "reasoning_gym":
+            self._pool = datasets.split_pool(cfg, cfg.heldout, seed)[0]
         elif cfg.heldout:
             self._held = {t.question for t in heldout_tasks(cfg, cfg.heldout, seed)}
             probe = random.Random()
             probe.setstate(self.rng.getstate())
             self._draw(probe, "probe")  # fail now, not in a task loop, if nothing is left to train on
+            self._rg_index = -1
 
     def _draw(self, rng: random.Random, task_id: str) -> Task:
+        if self.cfg.name == "reasoning_gym":  # item n of the run seed's dataset, skipping held-out questions
+            for _ in range(MAX_DRAWS):
+                self._rg_index += 1
+                task = datasets.rg_task(self.cfg, self.seed, self._rg_index % self.cfg.size, task_id)
+                if task.question not in self._held:
+                    return task
+            raise ValueError(f"reasoning_gym {self.cfg.dataset}: {MAX_DRAWS} items in a row are held-out questions")
         for _ in range(MAX_DRAWS):
             task = make_task(rng, self.cfg, task_id)
             if task.question not in self._held:
@@ -326,4 +347,4 @@ class TaskSource:
         if not self._order:
             self._order = self.rng.sample(range(len(self._pool)), len(self._pool))
         t = self._pool[self._order.pop()]
-        return index, Task(task_id=task_id, question=t.question, answer=t.answer, tests=t.tests, kind=t.kind)
+        return index, replace(t, task_id=task_id)

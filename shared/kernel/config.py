@@ -411,8 +411,10 @@ def _resolve_function(spec: str) -> str:
 
 class TaskConfig(Section):
     # arithmetic: "3+4=" for tiny models; word: arithmetic word problems; code: small functions with assert
-    # tests; jsonl: a user dataset at `path`, one {"question", "answer"} object per line.
-    name: Literal["arithmetic", "word", "code", "jsonl"] = "arithmetic"
+    # tests; jsonl: a user dataset at `path`, one {"question", "answer"} object per line; gsm8k: the GSM8K
+    # problems shipped in data/gsm8k; reasoning_gym: the reasoning-gym dataset `dataset`; humaneval: OpenAI's 164
+    # HumanEval problems; verl: rows in verl's RL dataset schema at `path` (.parquet or .jsonl). docs/data.md.
+    name: Literal["arithmetic", "word", "code", "jsonl", "gsm8k", "reasoning_gym", "humaneval", "verl"] = "arithmetic"
     # arithmetic only. compact: "3+4=", answered by the number the response starts with (a completion, for
     # tiny byte models); question: "What is 3 + 4?", answered by the response's final answer (chat models).
     phrasing: Literal["compact", "question"] = "compact"
@@ -420,23 +422,56 @@ class TaskConfig(Section):
     ops: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+"])
     modulo: int | None = 10  # answers reduced mod this (a single digit by default)
     max_value: int = Field(default=20, ge=2)  # largest number in word and code problems
-    path: Path | None = None  # jsonl dataset
+    path: Path | None = None  # jsonl and verl datasets
     heldout: int = Field(default=0, ge=0)  # held-out tasks kept out of the training stream
+    split: Literal["train", "test"] = "train"  # gsm8k: the file training draws from (held-out items come out of it)
+    dataset: str | None = None  # reasoning_gym: the dataset name (chain_sum, basic_arithmetic, countdown, ...)
+    # reasoning_gym: keyword arguments of reasoning_gym.create_dataset(dataset, seed=..., size=..., **config)
+    dataset_config: dict[str, Any] = Field(default_factory=dict)
+    size: int = Field(default=100_000, ge=1)  # reasoning_gym: items per seed (training cycles through them)
+    # Text appended to every question (gsm8k, reasoning_gym, humaneval, verl); null: the task's default
+    # (docs/data.md), "": none.
+    instruction: str | None = None
 
     @model_validator(mode="after")
     def _path_for_jsonl(self) -> TaskConfig:
-        if self.name == "jsonl" and self.path is None:
-            raise ValueError("path: a task with name 'jsonl' needs the path of a JSONL file")
+        if self.name in ("jsonl", "verl") and self.path is None:
+            what = "a JSONL file" if self.name == "jsonl" else "a verl-format .parquet or .jsonl file"
+            raise ValueError(f"path: a task with name {self.name!r} needs the path of {what}")
+        if self.name == "reasoning_gym" and not self.dataset:
+            raise ValueError("dataset: task.name reasoning_gym needs the reasoning-gym dataset name, e.g. "
+                             "'chain_sum' (reasoning_gym.factory.DATASETS lists them)")
+        if self.name != "reasoning_gym" and (self.dataset is not None or self.dataset_config):
+            raise ValueError(f"dataset: only read when task.name is 'reasoning_gym' (it is {self.name!r})")
         return self
 
 
 class RewardSection(Section):
-    """MARTI reward shaping of each agent's turn rewards, and an optional LLM judge."""
+    """MARTI reward shaping of each agent's turn rewards, an optional LLM judge, an optional reward function."""
 
     shaping: Literal["none", "quality", "margin"] = "none"
     scope: Literal["last", "all"] = "all"  # history of the shaping: the previous turn, or all earlier turns
     alpha: float = Field(default=0.5, ge=0.0)
     judge: str | None = None  # an agent that scores responses
+    # "path/to/file.py:compute_score" (relative to the config file or cwd), verl's signature
+    # compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict; it replaces the
+    # task's own check and runs in the actions workers (docs/data.md).
+    function: str | None = None
+
+    @model_validator(mode="after")
+    def _function(self) -> RewardSection:
+        if self.function is not None:
+            self.function = _resolve_reward_function(self.function)
+            if self.judge is not None:
+                raise ValueError("function: reward.function and reward.judge both score every turn; set one")
+        return self
+
+
+def _resolve_reward_function(spec: str) -> str:
+    """``reward.function`` checked and resolved like ``workflow.function``."""
+    if _FUNCTION_SPEC.match(spec) is None:
+        raise ValueError(f"reward.function: expected 'path/to/file.py:compute_score', got {spec!r}")
+    return _resolve_function(spec)
 
 
 class EvalSection(Section):

@@ -58,6 +58,7 @@ class Episode:
     dropped_groups: int = 0  # (agent, turn) groups that not every rollout reached
     untrained_turns: int = 0  # turns that name no generation of their rollout (scripted text, tool turns)
     seconds: float = 0.0
+    reward_errors: list[str] = field(default_factory=list)  # why each sample without a reward was dropped
 
 
 async def run_episode(
@@ -247,6 +248,7 @@ def to_episode(cfg: ChorusConfig, task: Task, env_idx: int, trajectories: list[d
     G = cfg.workflow.group_size
     candidates: dict[tuple[str, int], list[Sample]] = {}
     untrained = 0
+    errors: list[str] = []
     for i, (traj, ctx) in enumerate(zip(trajectories, ctxs, strict=True)):
         rewards = turn_rewards(cfg, traj)
         used: set[int] = set()
@@ -257,6 +259,10 @@ def to_episode(cfg: ChorusConfig, task: Task, env_idx: int, trajectories: list[d
                 untrained += 1
                 continue
             used.add(row.gen_id)
+            error = turn["metadata"].get("reward_error")
+            if error:  # the reward function failed on it: no reward to train on (its group is then short)
+                errors.append(str(error))
+                continue
             candidates.setdefault((agent, tid), []).append(
                 make_sample(cfg, task, env_idx, agent, tid, i, i, row, rewards[tid], snapshot, seconds))
     samples: list[Sample] = []
@@ -270,7 +276,9 @@ def to_episode(cfg: ChorusConfig, task: Task, env_idx: int, trajectories: list[d
             samples.extend(group)
         else:
             dropped += 1
-    return _episode(task, samples, trajectories, dropped, untrained, seconds)
+    ep = _episode(task, samples, trajectories, dropped, untrained, seconds)
+    ep.reward_errors = errors
+    return ep
 
 
 def tree_episode(cfg: ChorusConfig, task: Task, env_idx: int, trajectory: dict[str, Any], ctx: Context,

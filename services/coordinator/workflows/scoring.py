@@ -1,7 +1,10 @@
 """Per-turn rewards of the built-in workflows: the task's check (an action), or an LLM judge; the vote.
 
 The check depends on the task: compact arithmetic (``3+4=``) goes to ``check_answer``, other answers to
-``check_math``, code (a task with ``tests``) to ``run_code``. With ``reward.judge`` set, that agent scores every turn instead.
+``check_math``, code (a task with ``tests``) to ``run_code``; a dataset task names its own action (``Task.check``,
+with ``Task.meta`` in its payload). With ``reward.function`` set, the user's function (action ``compute_score``)
+scores every turn; with ``reward.judge`` set, that agent does. A reward function's failed row is a reward error:
+its turn is marked ``reward_error`` and its sample dropped (episode.py), never scored 0.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from services.coordinator.rewards import extract_answer, judge_prompt, math_equal, parse_judge
 from services.coordinator.workflows.api import Context, Turn
-from shared.kernel.config import TaskConfig
+from shared.kernel.config import ChorusConfig, TaskConfig
 
 if TYPE_CHECKING:
     from services.coordinator.tasks import Task
@@ -30,11 +33,31 @@ def answer_check(task: TaskConfig) -> str:
     return "check_answer" if task.name == "arithmetic" and task.phrasing == "compact" else "check_math"
 
 
+REWARD_FUNCTION = "compute_score"
+DROP_ON_ERROR = frozenset({REWARD_FUNCTION})  # actions whose failed row drops the sample instead of scoring 0
+
+
+def check_request(cfg: ChorusConfig, task: Task, text: str, finished: bool) -> tuple[str, dict[str, Any]]:
+    """The action and payload that score ``text`` as an answer to ``task`` (code tasks with ``tests``: see
+    :func:`run_code`)."""
+    if cfg.reward.function is not None:
+        meta = getattr(task, "meta", None) or {}
+        return REWARD_FUNCTION, {"function": cfg.reward.function,
+                                 "data_source": meta.get("data_source", cfg.task.name), "solution_str": text,
+                                 "ground_truth": task.answer, "extra_info": meta.get("extra_info")}
+    payload = {"expected": task.answer, "response": text, "finished": bool(finished)}
+    own = getattr(task, "check", None)
+    if own is not None:
+        return own, {**(getattr(task, "meta", None) or {}), **payload}
+    return answer_check(cfg.task), payload
+
+
 @dataclass
 class Score:
     reward: float  # in [0, 1]
     correct: bool
     answer: str
+    error: str | None = None  # the reward could not be computed (the sample is dropped)
 
 
 def tests_of(task: Task) -> str | None:
@@ -64,7 +87,16 @@ def reward_value(result: dict[str, Any]) -> float:
     return 0.0
 
 
-def score_of(result: dict[str, Any], text: str) -> Score:
+def reward_error(kind: str, result: dict[str, Any]) -> str | None:
+    """Why a reward function's row has no reward (the actions worker's error); None for a scored row."""
+    error = result.get("action_error")
+    return str(error) if kind in DROP_ON_ERROR and error else None
+
+
+def score_of(result: dict[str, Any], text: str, kind: str = "") -> Score:
+    error = reward_error(kind, result)
+    if error is not None:
+        return Score(0.0, False, extract_answer(text) or "", error)
     reward = reward_value(result)
     answer = result.get("answer")
     if not isinstance(answer, str) or not answer:
@@ -101,13 +133,14 @@ async def check(ctx: Context, task: Task, texts: Sequence[str], finished: Sequen
     judge = ctx.cfg.reward.judge
     if judge is not None:
         return await judge_scores(ctx, judge, task.question, texts)
-    if is_code_task(task):
+    if is_code_task(task) and ctx.cfg.reward.function is None:
+        kind = "run_code"
         results = await run_code(ctx, task, texts)
     else:
-        kind = answer_check(ctx.cfg.task)
-        results = await ctx.act(kind, [{"expected": task.answer, "response": t, "finished": bool(f)}
-                                       for t, f in zip(texts, finished, strict=True)])
-    return [score_of(r, t) for r, t in zip(results, texts, strict=True)]
+        requests = [check_request(ctx.cfg, task, t, f) for t, f in zip(texts, finished, strict=True)]
+        kind = requests[0][0]
+        results = await ctx.act(kind, [p for _, p in requests])
+    return [score_of(r, t, kind) for r, t in zip(results, texts, strict=True)]
 
 
 async def judge_scores(ctx: Context, judge: str, question: str, texts: Sequence[str]) -> list[Score]:
@@ -130,7 +163,7 @@ async def score_turns(ctx: Context, task: Task, turns: Sequence[Turn]) -> None:
     for t in turns:
         meta = t["metadata"]
         tool = meta.get("tool_result")
-        if tool is not None and is_code_task(task) and ctx.cfg.reward.judge is None:
+        if tool is not None and is_code_task(task) and ctx.cfg.reward.judge is None and ctx.cfg.reward.function is None:
             s = score_of(tool, t["agent_output"])
             t["reward"], meta["answer"], meta["correct"] = s.reward, s.answer, s.correct
             continue
@@ -140,6 +173,8 @@ async def score_turns(ctx: Context, task: Task, turns: Sequence[Turn]) -> None:
     for (t, _, _), s in zip(todo, scores, strict=True):
         t["reward"] = s.reward
         t["metadata"]["answer"], t["metadata"]["correct"] = s.answer, s.correct
+        if s.error is not None:
+            t["metadata"]["reward_error"] = s.error
 
 
 def plurality(votes: Sequence[tuple[str, T]]) -> T | None:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from services.coordinator.workflows.api import Context, Generate, GenResult, Tokenizers, Trajectory, Turn
 from services.coordinator.workflows.episode import Episode, run_episode
-from services.coordinator.workflows.scoring import answer_check
+from services.coordinator.workflows.scoring import answer_check, check_request, reward_error
 from shared.kernel.config import ChorusConfig, TaskConfig
 from shared.models.loading import Tokenizer
 
@@ -50,15 +50,15 @@ def reward_of(result: dict[str, Any]) -> tuple[float, bool]:
     return min(1.0, max(0.0, reward)), bool(result.get("correct", False))
 
 
-def _payload(task: Task, row: GenResult) -> dict[str, Any]:
-    return {"expected": task.answer, "response": row.text, "finished": row.finished}
-
-
-def _turn(turn_id: int, agent: str, role: str, text: str, row: GenResult, result: dict[str, Any]) -> Turn:
+def _turn(turn_id: int, agent: str, role: str, text: str, row: GenResult, result: dict[str, Any],
+          kind: str) -> Turn:
     reward, correct = reward_of(result)
+    meta = {"gen_id": row.gen_id, "correct": correct, "answer": result.get("answer", "")}
+    error = reward_error(kind, result)
+    if error is not None:
+        meta["reward_error"] = error
     return Turn(turn_id=turn_id, agent_index=turn_id, agent_name=agent, agent_role=role, agent_input=text,
-                agent_output=row.text, reward=reward,
-                metadata={"gen_id": row.gen_id, "correct": correct, "answer": result.get("answer", "")})
+                agent_output=row.text, reward=0.0 if error else reward, metadata=meta)
 
 
 async def solve_verify_workflow(ctx: Context, task: Task) -> Trajectory:
@@ -70,15 +70,13 @@ async def solve_verify_workflow(ctx: Context, task: Task) -> Trajectory:
         # The verifier's system prompt comes first, as `chat(prompt, text)` puts it.
         text = verifier_text(ctx.cfg.task, task, s_row.text, ctx.cfg.workflow.echo_chars)
         (v_row,) = await ctx.generate(verifier, [text])
-        (v_check,) = await ctx.act(check_kind, [_payload(task, v_row)])
+        (v_check,) = await ctx.act(check_kind, [check_request(ctx.cfg, task, v_row.text, v_row.finished)[1]])
         return text, v_row, v_check
 
-    check_kind = answer_check(ctx.cfg.task)
-    (s_check,), (v_text, v_row, v_check) = await asyncio.gather(
-        ctx.act(check_kind, [_payload(task, s_row)]), verify()
-    )
-    turns = [_turn(SOLVER_TURN, solver, "solver", task.question, s_row, s_check),
-             _turn(VERIFIER_TURN, verifier, "verifier", v_text, v_row, v_check)]
+    check_kind, s_payload = check_request(ctx.cfg, task, s_row.text, s_row.finished)
+    (s_check,), (v_text, v_row, v_check) = await asyncio.gather(ctx.act(check_kind, [s_payload]), verify())
+    turns = [_turn(SOLVER_TURN, solver, "solver", task.question, s_row, s_check, check_kind),
+             _turn(VERIFIER_TURN, verifier, "verifier", v_text, v_row, v_check, check_kind)]
     return Trajectory(prompt=task.question, label=task.answer, trajectory=turns,
                       final_reward=turns[-1].get("reward", 0.0), final_answer=str(v_check.get("answer", "")))
 
@@ -95,8 +93,9 @@ async def solve_verify(
     """Run one task: G solver rollouts in one request, G verifier rollouts in one request, checked."""
 
     async def act(kind: str, payloads: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        if kind != answer_check(cfg.task):
-            raise ValueError(f"solve_verify on this task runs only {answer_check(cfg.task)}, not {kind!r}")
+        own = check_request(cfg, task, "", True)[0]
+        if kind != own:
+            raise ValueError(f"solve_verify on this task runs only {own}, not {kind!r}")
         return await check(payloads)
 
     return await run_episode(cfg, task, env_idx, solve_verify_workflow, generate, act, versions, tokenizers)
