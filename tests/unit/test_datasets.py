@@ -1,0 +1,195 @@
+"""Dataset tasks (gsm8k, reasoning_gym, humaneval, verl), their checks, and the user's reward functions."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from services.actions import rewardfn
+from services.actions.actions import REGISTRY, humaneval_program
+from services.coordinator import datasets
+from services.coordinator.tasks import TaskSource, heldout_tasks
+from services.coordinator.workflows.episode import to_episode
+from shared.kernel.config import RewardSection, TaskConfig
+from shared.rlmath import gsm8k, rgym
+
+
+def test_every_gsm8k_test_reference_parses_to_its_hashes_number():
+    lines = (datasets.GSM8K_DIR / "test.jsonl").read_text().splitlines()
+    assert len(lines) == 1319
+    for line in lines:
+        solution = json.loads(line)["answer"]
+        raw = solution.rsplit("####", 1)[1].strip().replace(",", "")
+        assert gsm8k.reference_answer(solution) == raw, solution[-80:]
+        # the reference's own text scores 1.0 against itself
+        assert gsm8k.score(solution, gsm8k.reference_answer(solution))[0] == 1.0
+
+
+EXTRACT = [
+    ("The total is 1,234 apples.", "1234"),
+    ("She pays $18.", "18"),
+    ("She pays $1,000.50 in all", "1000.5"),
+    ("It weighs 12 kg.", "12"),
+    ("The increase is 25%.", "25"),
+    ("So the answer is 18.0", "18"),
+    ("x = 3.50", "3.5"),
+    ("The answer is 42. Check: 40 + 2 = 42 and 7 more is 49", "42"),
+    ("The answer is: 7", "7"),
+    ("The answer is **15** dollars", "15"),
+    ("work 3 + 4 = 7\n#### 7", "7"),
+    ("#### 1,000\nthen 5 more", "1000"),
+    ("We get \\boxed{36} in the end, 2 checks", "36"),
+    ("\\boxed{-5}", "-5"),
+    ("The temperature dropped to -12 degrees.", "-12"),
+    ("He is left with -3.", "-3"),
+    ("The ratio is 0.25", "0.25"),
+    ("Half is .5", "0.5"),
+    ("No number here.", None),
+    ("", None),
+    ("First 10, then 20, finally 30.", "30"),
+    ("Total: $ 45", "45"),
+    ("#### 12\n\\boxed{13}", "12"),  # #### is preferred over \boxed
+    ("The answer is 8 \\boxed{9}", "9"),  # \boxed over "the answer is"
+]
+
+
+@pytest.mark.parametrize(("response", "expected"), EXTRACT)
+def test_gsm8k_extractor_takes_the_final_answer(response, expected):
+    assert gsm8k.extract_answer(response) == expected
+
+
+def test_gsm8k_score_is_exact_numeric_match():
+    assert gsm8k.score("so she makes $18.00.", "18") == (1.0, "18")
+    assert gsm8k.score("so she makes 17", "18") == (0.0, "17")
+    assert gsm8k.score("no idea", "18") == (0.0, "")
+    assert REGISTRY["check_gsm8k"]({"expected": "1000", "response": "#### 1,000"})["reward"] == 1.0
+
+
+def test_gsm8k_heldout_slice_is_seeded_and_out_of_training():
+    cfg = TaskConfig(name="gsm8k", heldout=20)
+    held = heldout_tasks(cfg, 20, seed=3)
+    assert [t.question for t in held] == [t.question for t in heldout_tasks(cfg, 20, seed=3)]
+    src = TaskSource(3, cfg, "p")
+    drawn = {src.next()[1].question for _ in range(300)}
+    assert not drawn & {t.question for t in held}
+    assert all(t.check == "check_gsm8k" and t.question.endswith('after "####".') for t in held)
+    test = datasets.dataset_split(cfg, "test")
+    assert len(test) == 1319 and test[0].answer == "18"
+    assert TaskConfig(name="gsm8k", instruction="").instruction == ""
+    assert not datasets.dataset_split(TaskConfig(name="gsm8k", instruction=""), "test")[0].question.endswith('"####".')
+
+
+def test_reasoning_gym_tasks_are_scored_by_the_datasets_own_score_answer():
+    cfg = TaskConfig(name="reasoning_gym", dataset="basic_arithmetic", dataset_config={"min_terms": 2,
+                     "max_terms": 3}, heldout=5)
+    src = TaskSource(7, cfg, "p")
+    _, task = src.next()
+    ds = rgym.dataset("basic_arithmetic", cfg.dataset_config, 7, cfg.size)
+    entry = ds[task.meta["index"]]
+    assert task.answer == str(entry["answer"]) and task.question.startswith(entry["question"])
+    for response in (f"<answer>{entry['answer']}</answer>", "<answer>nope</answer>", "no tags"):
+        from reasoning_gym.utils import extract_answer
+        got = REGISTRY["score_reasoning_gym"]({**task.meta, "response": response, "expected": task.answer})
+        assert got["reward"] == ds.score_answer(extract_answer(response), entry)
+    assert {t.question for t in heldout_tasks(cfg, 5, 7)}.isdisjoint({src.next()[1].question for _ in range(50)})
+    with pytest.raises(ValueError, match="dataset"):
+        TaskConfig(name="reasoning_gym")
+
+
+def test_humaneval_response_as_a_body_or_as_a_fenced_function():
+    p = datasets.humaneval_problems()[0]
+    assert len(datasets.humaneval_problems()) == 164
+    body = p["canonical_solution"]
+    assert humaneval_program(body, p["prompt"], p["entry_point"]) == p["prompt"] + body
+    full = f"Here:\n```python\ndef {p['entry_point']}(numbers, threshold):\n    return True\n```\n"
+    program = humaneval_program(full, p["prompt"], p["entry_point"])
+    assert program.startswith("from typing import List\n") and "return True" in program and '"""' not in program
+
+
+def _verl_rows():
+    return [{"data_source": "openai/gsm8k", "ability": "math",
+             "prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}],
+             "reward_model": {"style": "rule", "ground_truth": "4"}, "extra_info": {"split": "train", "index": 0}},
+            {"data_source": "lighteval/MATH", "ability": "math", "prompt": [{"role": "user", "content": "1/2+1/2?"}],
+             "reward_model": {"style": "rule", "ground_truth": "1"}, "extra_info": {"index": 1}}]
+
+
+def test_verl_parquet_rows_become_tasks(tmp_path):
+    path = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist(_verl_rows()), path)
+    tasks = datasets.verl_tasks(TaskConfig(name="verl", path=path))
+    assert tasks[0].question == "Be brief.\n\n2+2?" and tasks[0].answer == "4" and tasks[0].check == "check_gsm8k"
+    # parquet gives a struct's missing fields as None
+    assert tasks[1].check == "check_math" and tasks[1].meta["data_source"] == "lighteval/MATH"
+    assert tasks[1].meta["extra_info"]["index"] == 1
+    jsonl = tmp_path / "train.jsonl"
+    jsonl.write_text("\n".join(json.dumps(r) for r in _verl_rows()))
+    assert [t.question for t in datasets.verl_tasks(TaskConfig(name="verl", path=jsonl))] == [t.question for t in tasks]
+    with pytest.raises(ValueError, match="ground_truth"):
+        jsonl.write_text(json.dumps({"prompt": [{"role": "user", "content": "x"}]}))
+        datasets.verl_tasks(TaskConfig(name="verl", path=jsonl))
+
+
+def _payload(fn_file, name="compute_score", **kw):
+    return {"function": f"{fn_file}:{name}", "data_source": "d", "solution_str": "s", "ground_truth": "g",
+            "extra_info": None, **kw}
+
+
+def test_reward_function_floats_and_dicts_and_failures(tmp_path):
+    f = tmp_path / "reward.py"
+    f.write_text("import math\n"
+                 "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                 "    return 0.25 if solution_str == 's' else 1\n"
+                 "def as_dict(data_source, solution_str, ground_truth, extra_info=None):\n"
+                 "    return {'score': 0.5, 'acc': True, 'len': 3, 'note': 'x'}\n"
+                 "def raises(*a, **k):\n    raise RuntimeError('boom')\n"
+                 "def nan(*a, **k):\n    return math.nan\n"
+                 "def text(*a, **k):\n    return '1'\n")
+    assert REGISTRY["compute_score"](_payload(f))["reward"] == 0.25
+    assert REGISTRY["compute_score"](_payload(f, "as_dict")) == {"reward": 0.5, "correct": False,
+                                                                  "scores": {"len": 3.0}}
+    for name, reason in (("raises", "raised RuntimeError: boom"), ("nan", "expected a finite number"),
+                         ("text", "expected a finite number"), ("missing", "defines no function")):
+        with pytest.raises(ValueError, match=reason):
+            REGISTRY["compute_score"](_payload(f, name))
+    with pytest.raises(ValueError, match="cannot read"):
+        rewardfn.load(f"{tmp_path}/nope.py:compute_score")
+
+
+def test_reward_function_is_resolved_against_the_config_dir_and_checked(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "r.py").write_text("def f(*a, **k):\n    return 1.0\n")
+    assert RewardSection(function="r.py:f").function == f"{tmp_path / 'r.py'}:f"
+    with pytest.raises(ValueError, match="compute_score"):
+        RewardSection(function="r.py")
+
+
+def test_a_sample_whose_reward_failed_is_dropped_with_its_group():
+    # to_episode over two rollouts of one agent's turn, one marked reward_error: the group is short, dropped
+    from services.coordinator.tasks import Task
+    from services.coordinator.workflows.api import GenResult
+    from shared.kernel.config import ChorusConfig
+
+    cfg = ChorusConfig.model_validate({
+        "models": {"m": {}}, "agents": {"solver": {"model": "m"}, "verifier": {"model": "m"}},
+        "workflow": {"group_size": 2}})
+
+    class Ctx:
+        def __init__(self) -> None:
+            self.generations = [GenResult(ids=[1], logprobs=[0.0], finished=True, version=0, seconds=0.0,
+                                          text="a", prompt_ids=[1], agent="solver", gen_id=0)]
+
+    def traj(error):
+        meta = {"gen_id": 0, **({"reward_error": error} if error else {})}
+        return {"trajectory": [{"turn_id": 0, "agent_name": "solver", "agent_output": "a", "reward": 1.0,
+                                "metadata": meta}], "final_reward": 1.0}
+
+    task = Task(task_id="t", question="q", answer="1")
+    ep = to_episode(cfg, task, 0, [traj(None), traj("reward.function raised")], [Ctx(), Ctx()], {}, 0.0)
+    assert ep.reward_errors == ["reward.function raised"] and ep.samples == [] and ep.dropped_groups == 1
+    ep = to_episode(cfg, task, 0, [traj(None), traj(None)], [Ctx(), Ctx()], {}, 0.0)
+    assert len(ep.samples) == 2 and not math.isnan(ep.samples[0].reward)
