@@ -87,6 +87,15 @@ def reward_value(result: dict[str, Any]) -> float:
     return 0.0
 
 
+def unclamped(kind: str, result: dict[str, Any]) -> float | None:
+    """A reward function's reward as it returned it (the worker checked it is finite; verl does not clamp
+    either); None for the built-in checks, whose rewards are kept in [0, 1]."""
+    value = result.get("reward")
+    if kind == REWARD_FUNCTION and isinstance(value, int | float) and math.isfinite(value):
+        return float(value)
+    return None
+
+
 def reward_error(kind: str, result: dict[str, Any]) -> str | None:
     """Why a reward function's row has no reward (the actions worker's error); None for a scored row."""
     error = result.get("action_error")
@@ -97,7 +106,8 @@ def score_of(result: dict[str, Any], text: str, kind: str = "") -> Score:
     error = reward_error(kind, result)
     if error is not None:
         return Score(0.0, False, extract_answer(text) or "", error)
-    reward = reward_value(result)
+    reward = unclamped(kind, result)
+    reward = reward_value(result) if reward is None else reward
     answer = result.get("answer")
     if not isinstance(answer, str) or not answer:
         answer = extract_answer(text) or ""

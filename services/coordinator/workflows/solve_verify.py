@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from services.coordinator.workflows.api import Context, Generate, GenResult, Tokenizers, Trajectory, Turn
 from services.coordinator.workflows.episode import Episode, run_episode
-from services.coordinator.workflows.scoring import answer_check, check_request, reward_error
+from services.coordinator.workflows.scoring import answer_check, check_request, reward_error, unclamped
 from shared.kernel.config import ChorusConfig, TaskConfig
 from shared.models.loading import Tokenizer
 
@@ -53,6 +53,8 @@ def reward_of(result: dict[str, Any]) -> tuple[float, bool]:
 def _turn(turn_id: int, agent: str, role: str, text: str, row: GenResult, result: dict[str, Any],
           kind: str) -> Turn:
     reward, correct = reward_of(result)
+    own = unclamped(kind, result)
+    reward = reward if own is None else own
     meta = {"gen_id": row.gen_id, "correct": correct, "answer": result.get("answer", "")}
     error = reward_error(kind, result)
     if error is not None:

@@ -1,0 +1,134 @@
+"""Tiny `chorus up` runs on a reasoning-gym dataset and on a verl parquet file with the user's compute_score: the
+rewards the run records are the dataset's own score_answer / what compute_score returned on the same responses,
+and a reward function that raises or returns NaN costs only its samples (counted), not the run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import nats
+import pyarrow as pa
+import pyarrow.parquet as pq
+import yaml
+from reasoning_gym.utils import extract_answer
+
+from shared.kernel.codec import decode
+from shared.kernel.schemas import Sample
+from shared.models.tokenizer import ByteTokenizer
+from shared.rlmath import rgym
+from tests.e2e.conftest import chorus_up, small_run_config
+
+VERSIONS = 3
+
+
+def _config(tmp_path: Path, run_id: str, task: dict[str, Any], reward: dict[str, Any] | None = None,
+            group_size: int = 8) -> Path:
+    path = small_run_config(tmp_path, run_id, max_versions=VERSIONS, global_batch=16, micro_batch=16)
+    cfg = yaml.safe_load(path.read_text())
+    for m in cfg["models"].values():
+        m["arch"]["max_position"] = 1024  # the datasets' questions are longer than arithmetic's
+    cfg["task"] = task
+    cfg["workflow"].update({"group_size": group_size, "concurrency": 4, "max_new_tokens": 4})
+    if reward:
+        cfg["reward"] = reward
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+async def _run(path: Path, nats_url: str, run_id: str) -> tuple[list[Sample], dict[str, Any], str]:
+    ours = f"chorus.{run_id}-"
+    samples: list[Sample] = []
+    coordinator: dict[str, Any] = {}
+
+    async def on_msg(msg: Any) -> None:
+        if not msg.subject.startswith(ours):
+            return
+        if ".traj." in msg.subject:
+            samples.append(decode(Sample, msg.data))
+        elif ".metrics.coordinator." in msg.subject:
+            coordinator.update(json.loads(msg.data))
+
+    nc = await nats.connect(nats_url)
+    await nc.subscribe("chorus.*.traj.*", cb=on_msg)
+    await nc.subscribe("chorus.*.metrics.>", cb=on_msg)
+    code, text = await chorus_up(path, nats_url, 240)
+    await nc.flush()
+    await nc.close()
+    assert code == 0, text[-4000:]
+    assert samples, text[-3000:]
+    return samples, coordinator, text
+
+
+def _counter(metrics: Any, key: str) -> float:
+    """``key``'s value anywhere in a metrics message (0 when absent)."""
+    if isinstance(metrics, dict):
+        if isinstance(metrics.get(key), int | float):
+            return metrics[key]
+        return max([_counter(v, key) for v in metrics.values()] or [0])
+    return 0
+
+
+async def test_reasoning_gym_run_records_the_datasets_own_score_answer(nats_url, run_id, tmp_path):
+    # countdown gives an answer without <answer> tags 0.01 (check_math would give 0): the rewards tell them apart
+    task = {"name": "reasoning_gym", "dataset": "countdown", "instruction": ""}
+    samples, _, text = await _run(_config(tmp_path, run_id, task), nats_url, run_id)
+    tok, ds = ByteTokenizer(), rgym.dataset("countdown", {}, 0, 100_000)
+    for s in samples:
+        index = int(s.episode.split("/")[0].rsplit("-", 1)[1])  # task ids are <prefix>-<n>: item n of seed 0
+        response = tok.decode(s.response_ids.tolist())
+        assert s.reward == ds.score_answer(extract_answer(response), ds[index]), (s.sample_id, response)
+    assert {round(s.reward, 6) for s in samples} & {0.01}, text[-2000:]
+
+
+REWARD = '''
+import math
+calls = 0
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    assert data_source == "my/source" and extra_info["tag"] == "t"
+    return {"score": (len(solution_str) % 4) / 4 + (0.5 if ground_truth == "7" else 0.0), "length": len(solution_str)}
+
+def flaky(data_source, solution_str, ground_truth, extra_info=None):
+    global calls
+    calls += 1
+    if calls % 13 == 5:
+        raise RuntimeError("flaky reward")
+    if calls % 13 == 9:
+        return math.nan
+    return 1.0
+'''
+
+
+def _verl_file(tmp_path: Path) -> Path:
+    rows = [{"data_source": "my/source", "ability": "math",
+             "prompt": [{"role": "system", "content": "Add."}, {"role": "user", "content": f"{a}+{b}="}],
+             "reward_model": {"style": "rule", "ground_truth": str(a + b)}, "extra_info": {"tag": "t", "index": i}}
+            for i, (a, b) in enumerate([(1, 2), (3, 4), (2, 5), (4, 4), (0, 1), (3, 3)])]
+    path = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    (tmp_path / "reward.py").write_text(REWARD)
+    return path
+
+
+async def test_verl_parquet_with_compute_score_trains_on_its_rewards(nats_url, run_id, tmp_path):
+    path = _config(tmp_path, run_id, {"name": "verl", "path": str(_verl_file(tmp_path))},
+                   {"function": "reward.py:compute_score"})
+    samples, _, text = await _run(path, nats_url, run_id)
+    assert f"{VERSIONS}/{VERSIONS}" in text, text[-2000:]
+    tok = ByteTokenizer()
+    for s in samples:  # the sample does not name its row: the length part, plus 0.5 on 3+4's (not clamped to 1)
+        response = tok.decode(s.response_ids.tolist())
+        part = (len(response) % 4) / 4
+        assert s.reward in (part, part + 0.5), (s.sample_id, response, s.reward)
+
+
+async def test_a_reward_function_that_raises_or_returns_nan_drops_counted_samples_and_the_run_finishes(
+        nats_url, run_id, tmp_path):
+    path = _config(tmp_path, run_id, {"name": "verl", "path": str(_verl_file(tmp_path))},
+                   {"function": "reward.py:flaky"}, group_size=4)
+    samples, coordinator, text = await _run(path, nats_url, run_id)
+    assert f"{VERSIONS}/{VERSIONS}" in text, text[-2000:]
+    assert _counter(coordinator, "samples_dropped_reward_error") > 0, coordinator
+    assert all(s.reward == 1.0 for s in samples)  # no failed row was scored 0
