@@ -200,19 +200,21 @@ def _write_notes(cfg: ChorusConfig, r: Exported) -> None:
     model_path = "base" if r.adapters else "."
     lines = [f"# {r.model} of run {cfg.run.id}, version {r.version}", "",
              f"Exported by `chorus export` from {source}. `OUT` below is this directory.", ""]
+    # The first agent of the first adapter (or of the model) is the one the generation example prompts.
+    first = next(iter(r.adapters), None)
+    example = next((c for c in agents.values() if first is None or c.adapter == first), None)
     if r.adapters:
         lines += ["A LoRA model: the frozen base in `base/`, one PEFT adapter per directory in `adapters/`:", ""]
         lines += [f"- `adapters/{a}/`: agent(s) {', '.join(agents) or '-'}" for a, agents in r.adapters.items()]
-        first = next(iter(r.adapters))
-        lines += ["", "```python", "from peft import PeftModel", "from transformers import AutoModelForCausalLM", "",
-                  "base = AutoModelForCausalLM.from_pretrained('OUT/base')",
-                  f"agent = PeftModel.from_pretrained(base, 'OUT/adapters/{first}')", "```", "",
+        load = ["from peft import PeftModel", "from transformers import AutoModelForCausalLM", "",
+                "base = AutoModelForCausalLM.from_pretrained('OUT/base')",
+                f"model = PeftModel.from_pretrained(base, 'OUT/adapters/{first}')"]
+        lines += ["", "```python", *load, "```", "",
                   "vLLM: serve `OUT/base` with `--enable-lora --lora-modules "
                   + " ".join(f"{a}=OUT/adapters/{a}" for a in r.adapters) + "`."]
     else:
-        lines += ["A full model:", "", "```python", "from transformers import AutoModelForCausalLM", "",
-                  "model = AutoModelForCausalLM.from_pretrained('OUT')", "```"]
-    example_prompt = next((c.prompt for c in agents.values() if c.prompt), "")
+        load = ["from transformers import AutoModelForCausalLM", "", "model = AutoModelForCausalLM.from_pretrained('OUT')"]
+        lines += ["A full model:", "", "```python", *load, "```"]
     lines += ["", "## How the agents were prompted", "",
               "Each agent was trained on prompts built one way; it answers as trained only when prompted the same way.", ""]
     for a, c in agents.items():
@@ -221,15 +223,22 @@ def _write_notes(cfg: ChorusConfig, r: Exported) -> None:
                   + (f": system prompt `{prompt}`" if prompt else ": no system prompt")]
     lines += [""]
     if r.tokenizer:
+        system = example.prompt if example is not None else ""
+        who = f"agent `{next(a for a, c in agents.items() if c is example)}`" if example is not None else "the model"
+        messages = ([f"messages = [{{'role': 'system', 'content': {system!r}}},",
+                     "            {'role': 'user', 'content': 'What is 13 - 7?'}]"] if system else
+                    ["messages = [{'role': 'user', 'content': 'What is 13 - 7?'}]"])
         lines += [f"The tokenizer is saved beside the model (`{model_path}/`). A prompt is its chat template applied to a "
                   "system message holding the agent's system prompt (none when it is empty) and one user message "
                   "holding the workflow's text (the question, and for a later agent what the earlier ones answered), "
-                  "ending where the assistant's answer starts:", "",
-                  "```python", "from transformers import AutoTokenizer", "",
-                  f"tok = AutoTokenizer.from_pretrained('{'OUT/base' if r.adapters else 'OUT'}')",
-                  f"messages = [{{'role': 'system', 'content': {example_prompt!r}}},",
-                  "            {'role': 'user', 'content': 'What is 13 - 7?'}]",
-                  "ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors='pt')", "```", "",
+                  f"ending where the assistant's answer starts. {who.capitalize()}, answering greedily:", "",
+                  "```python", *[x.replace("from transformers import AutoModelForCausalLM",
+                                           "from transformers import AutoModelForCausalLM, AutoTokenizer") for x in load],
+                  f"tok = AutoTokenizer.from_pretrained('{'OUT/base' if r.adapters else 'OUT'}')", "", *messages,
+                  "inputs = tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=True, "
+                  "return_tensors='pt')",
+                  "out = model.generate(**inputs, max_new_tokens=32, do_sample=False)",
+                  "print(tok.decode(out[0, inputs['input_ids'].shape[1]:], skip_special_tokens=True))", "```", "",
                   "A tokenizer without a chat template gets the system prompt, a blank line and the user text."]
     else:
         lines += ["No tokenizer files: this tiny model uses Chorus's byte tokenizer (shared/models/tokenizer.py), which is code,",
