@@ -508,10 +508,37 @@ def _v(v: int) -> str:
     return "-" if v < 0 else str(v)
 
 
+def run_dir_config(target: Path | None, config: Path | None, command: str) -> Path:
+    """The config a run-directory command reads: ``--config``, else ``TARGET/config.yaml`` of a run directory (what
+    `chorus up` writes there), else TARGET itself as a config file."""
+    if config is not None:
+        if target is not None:
+            err.print(f"[red]error:[/] chorus {command}: give a run directory or --config, not both")
+            raise typer.Exit(2)
+        return config
+    if target is None:
+        err.print(f"[red]error:[/] chorus {command} needs a run directory (runs/<run-id>) or --config CONFIG")
+        raise typer.Exit(2)
+    if target.is_dir():
+        if not (target / "config.yaml").is_file():
+            err.print(f"[red]error:[/] {target / 'config.yaml'} does not exist: `chorus up` writes the run's config "
+                      "there; for a run started with `chorus serve`, pass its config with --config", highlight=False)
+            raise typer.Exit(2)
+        return target / "config.yaml"
+    return find_config(target)
+
+
 @app.command()
-def status(config: ConfigOpt, nats: NatsOpt = None, run: RunOpt = None) -> None:
-    """Versions, stream depths, live services and mq table counts of a run (use runs/<id>/config.yaml of `chorus up`)."""
-    cfg = _load(config, run)
+def status(
+    target: Annotated[Path | None, typer.Argument(
+        help="a run directory (runs/<run-id>) or a run config")] = None,
+    config: Annotated[Path | None, typer.Option("--config", "-c", help="run config YAML")] = None,
+    nats: NatsOpt = None,
+    run: RunOpt = None,
+) -> None:
+    """Versions, stream depths, live services and mq table counts of a run: `chorus status runs/<run-id>` (its
+    config.yaml), or --config; with the run's server gone, what the run directory holds."""
+    cfg = _load(run_dir_config(target, config, "status"), run)
     url = _url(cfg, nats)
     setup_logging(json=False, level="ERROR")
     from nats.errors import Error as NatsError

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +26,41 @@ from shared.results.plotting import by_model, load_evals, load_metrics, summariz
 SUMMARY = "summary.json"
 
 
-def write_summary(run_dir: Path, *, code: int, models: dict[str, dict[str, Any]]) -> None:
-    """How ``chorus up`` ended (``code``: 0 finished, 1 failed, 130 interrupted) and what each model did."""
-    rec = {"finished": code == 0, "exit_code": code, "ended": time.time(), "models": models}
+def iso_utc(t: float) -> str:
+    """Epoch seconds as ISO 8601 UTC, to the second: ``2026-12-02T10:07:06Z``."""
+    return datetime.fromtimestamp(t, tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def eval_scores(evals: list[dict[str, Any]]) -> dict[str, Any]:
+    """The final and the best held-out evaluation of a run (pass@1 of the final answer, and the versions it was
+    at); empty when the run evaluated nothing. A failed evaluation (every task failed) is never the best."""
+    if not evals:
+        return {}
+
+    def score(rec: dict[str, Any]) -> dict[str, Any]:
+        out: dict[str, Any] = {"final": rec.get("final"), "version": rec.get("version"),
+                               "versions": rec.get("versions"), "pass1": rec.get("pass1")}
+        if rec.get("pass_at_k"):
+            out["pass_at_k"] = rec["pass_at_k"].get("final")
+        return out
+
+    scored = [e for e in evals if isinstance(e.get("final"), int | float) and e.get("failed", 0) < e.get("n", 1)]
+    best = max(scored, key=lambda e: float(e["final"]), default=None)
+    return {"eval_final": score(evals[-1]), "eval_best": score(best) if best is not None else None,
+            "evals": len(evals)}
+
+
+def write_summary(run_dir: Path, *, code: int, models: dict[str, dict[str, Any]], started: float | None = None) -> None:
+    """How ``chorus up`` ended (``code``: 0 finished, 1 failed, 130 interrupted), when and after how long, what each
+    model did, and the final and best held-out scores (from metrics.jsonl)."""
+    ended = time.time()
+    rec: dict[str, Any] = {"finished": code == 0, "exit_code": code, "ended": ended, "ended_utc": iso_utc(ended)}
+    if started is not None:
+        rec |= {"started": started, "started_utc": iso_utc(started), "duration_s": round(ended - started, 1)}
+    rec["models"] = models
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.is_file():
+        rec |= eval_scores(load_evals(metrics))
     write_atomic(run_dir / SUMMARY, json.dumps(rec, indent=2) + "\n")
 
 

@@ -352,6 +352,7 @@ async def run_up(config_path: Path | None, *, timeout_s: float | None = None, co
     id already has streams or buckets on the server is refused (exit 1): resume it, or ``chorus clean`` it.
     Exit code: 0 done, 1 failure/timeout/refused, 130 interrupted."""
     console = console or make_console()
+    started = time.time()
     embedded = False
     if resume is not None:
         cfg, embedded = resume_run(resume)
@@ -453,10 +454,10 @@ async def run_up(config_path: Path | None, *, timeout_s: float | None = None, co
     if tracker is not None:
         for line in tracker.sample_lines():
             console.print(line)
-        write_summary(run_dir, code=code, models={m: {"version": p.version, "trained": p.trained,
+        write_summary(run_dir, code=code, started=started, models={m: {"version": p.version, "trained": p.trained,
                                                       "dropped": dict(p.dropped)} for m, p in tracker.models.items()})
-        console.print(f"`chorus status --config {config_file}` reads the results from {run_dir} once the run's "
-                      "server is gone", highlight=False)
+        console.print(f"`chorus status {run_dir}` reads the results from the run directory once the run's "
+                      f"server is gone; `chorus samples {run_dir}` shows what the agents said", highlight=False)
     return code
 
 

@@ -82,13 +82,19 @@ def test_status_of_a_finished_run_whose_server_is_gone_reads_the_run_directory(t
              for v, f in ((0, 0.25), (3, 0.75))]
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in steps + evals))
     write_summary(run_dir, code=0, models={"a": {"version": 3, "trained": 48, "dropped": {"stale": 2}},
-                                           "b": {"version": 3, "trained": 40, "dropped": {}}})
+                                           "b": {"version": 3, "trained": 40, "dropped": {}}},
+                  started=time.time() - 65.0)
     r = _chorus(*status, env={"COLUMNS": "200"})
     assert r.returncode == 0, r.stdout + r.stderr
     text = " ".join(r.stdout.split())
     assert "no NATS server at nats://127.0.0.1:1" in text
     assert "run r-1 finished at" in text and "every model reached train.max_versions (3)" in text
     assert "| a | 3/3 | 3 |" in text.replace("│", "|") and "2 stale" in text and "0.750" in text, r.stdout
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["eval_final"]["final"] == 0.75 and summary["eval_best"]["version"] == 3, summary
+    assert summary["ended_utc"].endswith("Z") and summary["evals"] == 2 and summary["duration_s"] >= 65, summary
+    r = _chorus("status", str(run_dir), env={"COLUMNS": "200"})  # the run directory, as plot and export take it
+    assert r.returncode == 0 and "run r-1 finished at" in " ".join(r.stdout.split()), r.stdout + r.stderr
     (run_dir / "summary.json").unlink()  # a run started service by service: its steps and evaluations say it
     r = _chorus(*status)
     assert r.returncode == 0 and "run r-1 finished" in r.stdout, r.stdout
