@@ -690,6 +690,10 @@ class LoggingSection(Section):
     backends: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(default_factory=lambda: ["tensorboard"])
     wandb: WandbSection = Field(default_factory=WandbSection)
     mlflow: MlflowSection = Field(default_factory=MlflowSection)
+    # One rollout of every Nth task (and of every held-out evaluation task) to runs/<id>/samples.jsonl: the
+    # prompt tails, responses, rewards and answers of its turns, read with `chorus samples`. 0 = off. The file
+    # rotates at 8 MB (samples.1.jsonl keeps the one before).
+    samples_every: int = Field(10, ge=0)
 
     @field_validator("backends")
     @classmethod
