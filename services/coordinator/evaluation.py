@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -137,6 +137,7 @@ async def evaluate(
     act: Act,
     versions: Callable[[], dict[str, int]],
     tokenizers: Tokenizers,
+    on_episode: Callable[[Episode], Awaitable[None]] | None = None,
 ) -> dict[str, Any]:
     """Play every held-out task ``eval.samples`` times; the record written to metrics.jsonl (``"kind": "eval"``).
 
@@ -155,7 +156,10 @@ async def evaluate(
         for attempt in range(cfg.eval.retries + 1):
             try:
                 async with gate:
-                    return await run_episode(ecfg, task, i, workflow, generate, act, versions, tokenizers)
+                    ep = await run_episode(ecfg, task, i, workflow, generate, act, versions, tokenizers)
+                if on_episode is not None:  # e.g. the coordinator's samples.jsonl record of it
+                    await on_episode(ep)
+                return ep
             except Exception:
                 if attempt == cfg.eval.retries:
                     raise

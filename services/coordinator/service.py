@@ -20,6 +20,7 @@ from services.coordinator.failures import FailureLog, error_key, root_cause
 from services.coordinator.keepbest import BestKeeper
 from services.coordinator.marft import apply_gae, critic_rows, rollouts
 from services.coordinator.routing import NoInstance, RolloutRouter
+from services.coordinator.samples import SampleWriter, dumps, episode_records
 from services.coordinator.tasks import Task, TaskSource, heldout_tasks
 from services.coordinator.workflows import (
     Abandon,
@@ -61,6 +62,8 @@ VERSION_POLL_S = 0.2
 DRAIN_S = 20.0
 EMA = 0.05
 CRITIC_TIMEOUT_S = 120.0  # a value request the critic accepted; it may be in the middle of a step
+SAMPLES_FLUSH_S = 1.0  # sampled rollouts are buffered and appended to samples.jsonl this often
+SAMPLES_BUFFER = 10_000  # records waiting for a write; past it new ones are counted (samples_not_written), not kept
 
 
 def per_model(ep: Episode) -> dict[str, int]:
@@ -142,6 +145,13 @@ class CoordinatorService(Service):
             # batch opens without waiting out a poll period.
             await self.nc.subscribe(self.names.sync_done(m), cb=self._on_sync_done)
         self.spawn(self._version_loop(), "versions")
+        # logging.samples_every: one rollout of every Nth task to samples.jsonl (`chorus samples`), written by a
+        # flush loop in a worker thread; teardown writes what is left.
+        self._samples: list[str] = []
+        self._sample_tasks = 0
+        self.sample_writer = SampleWriter(cfg.run_dir) if cfg.logging.samples_every else None
+        if self.sample_writer is not None:
+            self.spawn(self._samples_loop(), "samples")
         self.heldout = heldout_tasks(cfg.task, cfg.eval.tasks, cfg.run.seed) if cfg.eval.every else []
         self._loops: list[asyncio.Task[None]] = []
         resumed = any(v > 0 for v in self.served.values())  # a restarted coordinator, or a resumed run
@@ -172,6 +182,8 @@ class CoordinatorService(Service):
             await asyncio.gather(*pending, return_exceptions=True)
         if self._publishing:
             await asyncio.wait(self._publishing, timeout=10)
+        if getattr(self, "sample_writer", None) is not None:
+            await self._flush_samples()
         if hasattr(self, "mux"):
             await self.mux.close()
 
@@ -283,7 +295,8 @@ class CoordinatorService(Service):
         served = dict(self.served)
         staged = await self.best.stage(served)  # the weights about to be scored, in case they are the best
         rec = await evaluate(self.cfg, self.heldout, self.workflow, self._generate, self._act,
-                             lambda: dict(self.served), self.tokenizers)
+                             lambda: dict(self.served), self.tokenizers,
+                             on_episode=lambda ep: self._sample(ep, eval=True))
         rec["last"] = final
         rec["best"] = await self.best.settle(rec, staged, served)
         self.counters["best_copy_errors"] = self.best.errors
@@ -389,6 +402,7 @@ class CoordinatorService(Service):
             pub.add_done_callback(self._publishing.discard)
             await asyncio.shield(pub)
             self._record(ep)
+            await self._sample(ep)
 
     def _admitted_done(self, ep: Episode | None, ticket: dict[str, float] | None) -> None:
         """A task ended, with its episode's samples to publish (None: nothing will be published): the admission
@@ -430,6 +444,44 @@ class CoordinatorService(Service):
         rate = sum(ep.final_correct) / max(1, len(ep.final_correct))
         prev_fc = self.final_correct_ema
         self.final_correct_ema = rate if prev_fc is None else (1 - EMA) * prev_fc + EMA * rate
+
+    # --- samples.jsonl ------------------------------------------------------------------
+    async def _sample(self, ep: Episode, *, eval: bool = False) -> None:
+        """Buffer the record of rollout 0 of ``ep`` when it is a sampled one: every ``logging.samples_every``-th
+        task (the first included), and every held-out episode (``eval``). Never raises."""
+        if self.sample_writer is None:
+            return
+        if not eval:
+            self._sample_tasks += 1
+            if (self._sample_tasks - 1) % self.cfg.logging.samples_every:
+                return
+        if len(self._samples) >= SAMPLES_BUFFER:
+            self.counters["samples_not_written"] += 1
+            return
+        try:
+            toks = {m: await self.tokenizers.get(m) for m in sorted({s.model for s in ep.samples})}
+            records = episode_records(self.cfg, ep, (0,), eval=eval, decode=lambda m, ids: toks[m].decode(ids))
+            self._samples.extend(dumps(r) for r in records)
+        except Exception as exc:  # a record that cannot be built costs that record, never the run
+            self.counters["samples_write_errors"] += 1
+            self.log.warning("sample record not built", task=ep.task.task_id, error=f"{type(exc).__name__}: {exc}")
+
+    async def _flush_samples(self) -> None:
+        lines, self._samples = self._samples, []
+        if not lines or self.sample_writer is None:
+            return
+        try:
+            await asyncio.to_thread(self.sample_writer.write, lines)
+            self.counters["samples_written"] += len(lines)
+        except OSError as exc:
+            self.counters["samples_write_errors"] += 1
+            self.log.warning("samples.jsonl write failed; these records are lost", count=len(lines),
+                             path=str(self.sample_writer.path), error=f"{type(exc).__name__}: {exc}")
+
+    async def _samples_loop(self) -> None:
+        while True:
+            await asyncio.sleep(SAMPLES_FLUSH_S)
+            await self._flush_samples()
 
     async def _marft(self, ep: Episode) -> CriticBatch:
         """MARFT: the critic's values of every observation of the episode (one request), then GAE over each
