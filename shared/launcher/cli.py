@@ -871,6 +871,21 @@ def nats_auth(
     console.print(f"wrote {out}")
 
 
+@app.command()
+def samples(
+    run_dir: Annotated[Path, typer.Argument(help="a run directory, runs/<run-id> (with samples.jsonl)")],
+    model: Annotated[str | None, typer.Option("--model", "-m", help="only episodes with a turn of this model")] = None,
+    agent: Annotated[str | None, typer.Option("--agent", "-a", help="only episodes with a turn of this agent")] = None,
+    last: Annotated[int, typer.Option("--last", "-n", help="how many of the newest episodes")] = 5,
+    as_json: Annotated[bool, typer.Option("--json", help="the raw JSON lines")] = False,
+) -> None:
+    """What the agents said: the newest sampled episodes of a run (logging.samples_every), each turn's prompt tail,
+    response, reward and answer."""
+    from shared.launcher.samplescmd import show
+
+    raise typer.Exit(show(console, err, run_dir, model=model, agent=agent, last=last, as_json=as_json))
+
+
 def main() -> None:
     """Console-script entry point (``chorus``)."""
     app()
