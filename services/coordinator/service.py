@@ -35,7 +35,7 @@ from services.coordinator.workflows import (
 from shared.kernel import events
 from shared.kernel.bus import kv_get_int
 from shared.kernel.codec import DecodeError, decode, decode_json_as, encode
-from shared.kernel.config import ChorusConfig
+from shared.kernel.config import ChorusConfig, ConfigError
 from shared.kernel.logs import append_line
 from shared.kernel.peers import NotAccepted, PeerGone, ReplyMux
 from shared.kernel.schemas import (
@@ -131,7 +131,11 @@ class CoordinatorService(Service):
         # Same seed, same questions; the time-based prefix keeps ids unique across coordinator restarts
         # (the trainer deduplicates by sample id).
         prefix = f"c{self.instance}x{int(time.time() * 1000):x}".replace("_", "").replace("-", "")
-        self.tasks = TaskSource(cfg.run.seed, cfg.task, prefix)
+        try:  # a dataset that does not open or parse stays so: stop the run, do not restart into it
+            self.tasks = TaskSource(cfg.run.seed, cfg.task, prefix)
+            self.heldout = heldout_tasks(cfg.task, cfg.eval.tasks, cfg.run.seed) if cfg.eval.every else []
+        except ValueError as exc:
+            raise ConfigError(f"task: {exc}") from None
         self.reward_ema: dict[str, float] = {}
         self.final_correct_ema: float | None = None
         self.in_flight = 0
@@ -152,7 +156,6 @@ class CoordinatorService(Service):
         self.sample_writer = SampleWriter(cfg.run_dir) if cfg.logging.samples_every else None
         if self.sample_writer is not None:
             self.spawn(self._samples_loop(), "samples")
-        self.heldout = heldout_tasks(cfg.task, cfg.eval.tasks, cfg.run.seed) if cfg.eval.every else []
         self._loops: list[asyncio.Task[None]] = []
         resumed = any(v > 0 for v in self.served.values())  # a restarted coordinator, or a resumed run
         if self.heldout and not resumed:

@@ -304,6 +304,8 @@ class ModelConfig(Section):
     def _path_for_hf(self) -> ModelConfig:
         if self.source == "hf" and self.path is None:
             raise ValueError("path: a model with source 'hf' needs the path of a local Hugging Face model directory")
+        if self.path is not None:
+            self.path = resolve_path(self.path)
         return self
 
 
@@ -392,6 +394,23 @@ class WorkflowConfig(Section):
         return self
 
 
+def resolve_path(path: Path) -> Path:
+    """A relative path as the config file means it: beside the config file (its directory while it loads), else
+    in the working directory when it exists only there, made absolute, since services read a copy of the config
+    elsewhere; an absolute path as it is. A path found nowhere is made config-relative: the check before a run
+    starts names it."""
+    path = Path(path).expanduser()
+    if path.is_absolute():
+        return path
+    config_dir = CONFIG_DIR.get()
+    if config_dir is None:
+        return path.resolve()
+    beside = (config_dir / path).resolve()
+    if not beside.exists() and path.exists():
+        return path.resolve()
+    return beside
+
+
 def _resolve_function(spec: str) -> str:
     """Check ``path.py:name`` and make a relative path absolute when the file is found next to the config or in
     the working directory (services read a copy of the config elsewhere); a missing file is reported when the
@@ -438,6 +457,8 @@ class TaskConfig(Section):
         if self.name in ("jsonl", "verl") and self.path is None:
             what = "a JSONL file" if self.name == "jsonl" else "a verl-format .parquet or .jsonl file"
             raise ValueError(f"path: a task with name {self.name!r} needs the path of {what}")
+        if self.path is not None:
+            self.path = resolve_path(self.path)
         if self.name == "reasoning_gym" and not self.dataset:
             raise ValueError("dataset: task.name reasoning_gym needs the reasoning-gym dataset name, e.g. "
                              "'chain_sum' (reasoning_gym.factory.DATASETS lists them)")

@@ -234,6 +234,12 @@ class Service:
             self.log.error("service could not start: NATS is unreachable", nats=exc.url, error=str(exc))
             await self._close()
             return EX_UNAVAILABLE
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError) as exc:
+            # a configured file (a model directory, a dataset) that is not there: a restart finds it missing again
+            self.log.error("service cannot start: a file the config names cannot be opened; stopping the run",
+                           error=f"{type(exc).__name__}: {exc}")
+            await self._close()
+            return EX_RUN_FAILED
         except (nats.errors.Error, TimeoutError, OSError) as exc:
             self.log.error("service could not start: the broker did not answer in time",
                            error=f"{type(exc).__name__}: {exc}")

@@ -232,6 +232,9 @@ def up(
     setup_logging(json=False, level="ERROR")  # the progress view is the output; client reconnect chatter is not
     if config is not None:
         config = find_config(config)
+    checked = config if config is not None else resume / "config.yaml" if resume is not None else None
+    if checked is not None and checked.is_file():
+        _exit_on_problems(_load(checked))  # before any service starts: what a restart cannot fix
     try:
         code = uvloop.run(run_up(config, timeout_s=timeout_s, console=console, resume=resume, run_id=run))
     except ConfigError as exc:
@@ -243,6 +246,33 @@ def up(
         err.print(f"[red]error:[/] {exc}", highlight=False)
         raise typer.Exit(1) from None
     raise typer.Exit(code)
+
+
+def _exit_on_problems(cfg: ChorusConfig) -> int:
+    """Print every problem :mod:`shared.launcher.precheck` finds and exit 2; the number of checks otherwise."""
+    from shared.launcher.precheck import problems
+
+    found = problems(cfg)
+    if found:
+        err.print(f"[red]error:[/] the config has {len(found)} problem(s); nothing was started:", highlight=False)
+        for p in found:
+            err.print(f"  {p}", highlight=False, soft_wrap=True)
+        raise typer.Exit(2)
+    return len(cfg.models)
+
+
+@app.command()
+def check(
+    config: Annotated[Path, typer.Argument(help="run config YAML, or the name of one in configs/")],
+) -> None:
+    """The checks `chorus up` runs before it starts anything: the config is valid and every model directory, dataset,
+    workflow and reward function and credentials file it names opens. Exit 0, or 2 naming each problem."""
+    config = find_config(config)
+    cfg = _load(config)
+    setup_logging(json=False, level="ERROR")
+    _exit_on_problems(cfg)
+    console.print(f"{config}: ok ({len(cfg.models)} model(s), task {cfg.task.name}, workflow {cfg.workflow.name}, "
+                  f"{len(cfg.agents)} agent(s))", highlight=False)
 
 
 @app.command()

@@ -1,0 +1,100 @@
+"""What `chorus check` and `chorus up` verify before any service starts: every path, dataset and function a config
+names opens, so that a mistake a restart cannot fix is reported in seconds, by its config key, not by services
+that load models and then fail one after another.
+
+Each check is the code the services run themselves (the model loader's directory check, the coordinator's task
+source, the workflow and reward-function loaders), so what passes here is what the services will accept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from shared.kernel.config import ChorusConfig
+
+
+def _problem(key: str, fn: Callable[[], object]) -> str | None:
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - every failure is a problem to report, by its key
+        text = str(exc) or type(exc).__name__
+        return text if text.startswith(key) else f"{key}: {text}"
+    return None
+
+
+def model_problems(cfg: ChorusConfig) -> list[str]:
+    """Each model's weights: a local Hugging Face directory (``source: hf``) with its config, weights and tokenizer;
+    the embedded SmolLM2 package (``source: smollm2``)."""
+    from shared.models.loading import model_dir, smollm2_gguf
+
+    out: list[str] = []
+    for name, m in sorted(cfg.models.items()):
+        key = f"models.{name}.path"
+        if m.source == "hf":
+            problem = _problem(key, lambda n=name: model_dir(cfg, n))
+            if problem is None and m.path is not None:
+                weights = [p for p in m.path.iterdir() if p.suffix in (".safetensors", ".bin")]
+                if not weights:
+                    problem = f"{key}: {m.path} has no weights file (*.safetensors or *.bin)"
+                elif not any((m.path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json",
+                                                              "tokenizer.model", "vocab.json")):
+                    problem = f"{key}: {m.path} has no tokenizer files (tokenizer.json or tokenizer_config.json)"
+        elif m.source == "smollm2":
+            problem = _problem(f"models.{name}.source", smollm2_gguf)
+        else:
+            problem = None
+        if problem:
+            out.append(problem)
+    return out
+
+
+def task_problems(cfg: ChorusConfig) -> list[str]:
+    """The dataset as the coordinator opens it: its training stream and, when the run evaluates, its held-out
+    tasks."""
+    from services.coordinator.tasks import TaskSource, heldout_tasks
+
+    out = [p for p in [_problem("task", lambda: TaskSource(cfg.run.seed, cfg.task, "check"))] if p]
+    if not out and cfg.eval.every:
+        out += [p for p in [_problem("eval.tasks", lambda: heldout_tasks(cfg.task, cfg.eval.tasks, cfg.run.seed))]
+                if p]
+    return out
+
+
+def function_problems(cfg: ChorusConfig) -> list[str]:
+    """The custom workflow function and the reward function, imported from their files."""
+    from services.actions.rewardfn import load
+    from services.coordinator.workflows import workflow_of
+
+    out: list[str] = []
+    if cfg.workflow.name == "custom":
+        out += [p for p in [_problem("workflow.function", lambda: workflow_of(cfg))] if p]
+    spec = getattr(cfg.reward, "function", None)
+    if spec:
+        out += [p for p in [_problem("reward.function", lambda: load(spec))] if p]
+    return out
+
+
+FILE_KEYS = ("password_file", "nkey_seed", "creds", "tls_cert", "tls_key", "tls_ca")
+
+
+def credential_problems(cfg: ChorusConfig) -> list[str]:
+    """Files the nats section names (credentials, TLS certificates and keys) exist and can be read."""
+    from pathlib import Path
+
+    out: list[str] = []
+    for key, value in sorted(cfg.nats.model_dump().items()):
+        # `{service}` in a name is filled in per service kind: each kind's own file is checked when it connects
+        if key not in FILE_KEYS or not isinstance(value, str) or not value or "{" in value:
+            continue
+        path = Path(value).expanduser()
+        try:
+            with path.open("rb"):
+                pass
+        except OSError as exc:
+            out.append(f"nats.{key}: cannot read {path}: {exc.strerror or exc}")
+    return out
+
+
+def problems(cfg: ChorusConfig) -> list[str]:
+    """Every problem of a loaded config, each naming its key and path; empty when the run can start."""
+    return model_problems(cfg) + task_problems(cfg) + function_problems(cfg) + credential_problems(cfg)
