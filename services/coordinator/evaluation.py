@@ -138,6 +138,7 @@ async def evaluate(
     versions: Callable[[], dict[str, int]],
     tokenizers: Tokenizers,
     on_episode: Callable[[Episode], Awaitable[None]] | None = None,
+    concurrency: int = EVAL_CONCURRENCY,
 ) -> dict[str, Any]:
     """Play every held-out task ``eval.samples`` times; the record written to metrics.jsonl (``"kind": "eval"``).
 
@@ -146,7 +147,7 @@ async def evaluate(
     wrong; ``failed`` counts those, ``retried`` the replays, ``errors`` the last error of each failed task."""
     ecfg = eval_config(cfg)
     n = cfg.eval.samples
-    gate = asyncio.Semaphore(EVAL_CONCURRENCY)
+    gate = asyncio.Semaphore(concurrency)
     t0 = time.monotonic()
     before = dict(versions())
     retried = 0

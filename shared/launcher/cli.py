@@ -916,6 +916,81 @@ def samples(
     raise typer.Exit(show(console, err, run_dir, model=model, agent=agent, last=last, as_json=as_json))
 
 
+@app.command("eval")
+def eval_command(
+    target: Annotated[Path, typer.Argument(help="a run config (path or shipped name) or a run directory")],
+    version: Annotated[str, typer.Option("--version", help="a run's version N, best, last, or base")] = "last",
+    split: Annotated[str, typer.Option("--split", help="heldout (task.heldout's tasks) or test (the dataset's "
+                                                       "test split: gsm8k, humaneval)")] = "heldout",
+    tasks: Annotated[int | None, typer.Option("--tasks", help="the first N tasks (default: eval.tasks / all)")] = None,
+    samples: Annotated[int | None, typer.Option("--samples", help="n rollouts per task (pass@k, maj@k)")] = None,
+    temperature: Annotated[float | None, typer.Option("--temperature", help="0 = greedy")] = None,
+    pass_k: Annotated[list[int] | None, typer.Option("--pass-k", help="the k of pass@k (repeatable)")] = None,
+    max_new_tokens: Annotated[int | None, typer.Option("--max-new-tokens", help="per generation")] = None,
+    batch: Annotated[int, typer.Option("--batch", help="tasks in flight at once")] = 32,
+    out: Annotated[Path | None, typer.Option("--out", help="the JSON record (default: in the run directory, "
+                                                           "or runs/eval/ for a config)")] = None,
+) -> None:
+    """Evaluate a model without training: pass@1, pass@k, maj@k and tokens per question of the config's workflow on
+    a held-out or test split, in this process (Chorus's engine, no NATS); a table and a JSON record."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from shared.launcher.evaluate import (
+        EvalError,
+        eval_settings,
+        eval_tasks,
+        load_nets,
+        run_eval,
+        write_record,
+    )
+
+    run_dir = target if target.is_dir() else None
+    cfg = _load(target / "config.yaml" if run_dir is not None else find_config(target))
+    setup_logging(json=False, level="ERROR")
+    try:
+        cfg = eval_settings(cfg, samples=samples, temperature=temperature, pass_k=pass_k,
+                            max_new_tokens=max_new_tokens)
+        todo = eval_tasks(cfg, split, tasks)
+        nets, versions = load_nets(cfg, run_dir, "base" if run_dir is None else version)
+    except (EvalError, ValueError) as exc:
+        err.print(f"[red]error:[/] {exc}", highlight=False)
+        raise typer.Exit(2) from None
+    t0 = time.monotonic()
+    with Progress(TextColumn("eval"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[rate]}"),
+                  TimeElapsedColumn(), console=console, transient=False) as bar:
+        job = bar.add_task("eval", total=len(todo), rate="")
+
+        def progress(n: int, tokens: int) -> None:
+            rate = tokens / max(time.monotonic() - t0, 1e-9)
+            bar.update(job, completed=n, rate=f"{rate:.0f} tokens/s")
+
+        record = asyncio.run(run_eval(cfg, todo, nets, versions, batch=batch, progress=progress))
+    label = "base" if run_dir is None or version == "base" else "-".join(f"v{v}" for v in versions.values())
+    record |= {"target": str(target), "split": split, "model_versions": versions, "label": label}
+    if out is None:
+        out = (run_dir / f"eval-{split}-{label}.json" if run_dir is not None
+               else cfg.run.dir / "eval" / f"{cfg.run.id}-{split}-{label}.json")
+    write_record(out, record)
+    table = Table(title=f"chorus eval: {len(todo)} {split} tasks, {label}")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    table.add_row("pass@1 (final answer)", f"{record['final']:.4f}")
+    for agent, value in sorted((record.get("pass1") or {}).items()):
+        table.add_row(f"pass@1 {agent}", f"{value:.4f}")
+    for k, value in sorted(((record.get("pass_at_k") or {}).get("final") or {}).items(), key=lambda kv: int(kv[0])):
+        if k != "1":
+            table.add_row(f"pass@{k}", f"{value:.4f}")
+    if record.get("maj") is not None:
+        table.add_row("maj@n", str(record.get("maj")))
+    table.add_row("failed tasks", str(record["failed"]))
+    table.add_row("tokens generated", f"{record['tokens_total']:,}")
+    table.add_row("tokens/s", f"{record['tokens_per_s']:.1f}")
+    table.add_row("time", f"{record['seconds']:.1f} s")
+    console.print(table)
+    console.print(f"pass@1 {record['final']:.4f} on {len(todo)} tasks in {record['seconds']:.1f} s; wrote {out}",
+                  highlight=False)
+
+
 def main() -> None:
     """Console-script entry point (``chorus``)."""
     app()
