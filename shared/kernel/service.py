@@ -55,6 +55,14 @@ CLOSE_SHARE_S = 4.0  # of run.stop_grace_s, kept for closing (tasks, micro servi
 EX_RUN_FAILED = 78
 
 
+def _file_error(exc: BaseException) -> bool:
+    """Whether a start-up error is a file's (missing, a directory, not readable, or any OSError naming a file), not
+    the network's: those exit EX_RUN_FAILED, the network's EX_TEMPFAIL."""
+    if isinstance(exc, FileNotFoundError | NotADirectoryError | IsADirectoryError | PermissionError):
+        return True
+    return isinstance(exc, OSError) and not isinstance(exc, ConnectionError) and exc.filename is not None
+
+
 class Service:
     """One Chorus service instance. ``name`` is the service kind; ``per_model`` services need ``model``."""
 
@@ -234,13 +242,14 @@ class Service:
             self.log.error("service could not start: NATS is unreachable", nats=exc.url, error=str(exc))
             await self._close()
             return EX_UNAVAILABLE
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError) as exc:
-            # a configured file (a model directory, a dataset) that is not there: a restart finds it missing again
-            self.log.error("service cannot start: a file the config names cannot be opened; stopping the run",
-                           error=f"{type(exc).__name__}: {exc}")
-            await self._close()
-            return EX_RUN_FAILED
         except (nats.errors.Error, TimeoutError, OSError) as exc:
+            # OSError is the broker's (a refused or reset connection) unless it is a file's: a configured file (a
+            # model directory, a dataset) that is not there or cannot be read, which a restart finds so again
+            if _file_error(exc):
+                self.log.error("service cannot start: a file the config names cannot be opened; stopping the run",
+                               error=f"{type(exc).__name__}: {exc}")
+                await self._close()
+                return EX_RUN_FAILED
             self.log.error("service could not start: the broker did not answer in time",
                            error=f"{type(exc).__name__}: {exc}")
             await self._close()
