@@ -118,3 +118,16 @@ def test_a_service_whose_model_directory_is_missing_exits_78_naming_it_not_the_b
     assert done.returncode == EX_RUN_FAILED, out[-3000:]
     assert str(missing) in out and "the broker did not answer" not in out, out[-3000:]
     assert seconds < 45, seconds
+
+
+def test_a_resumed_run_whose_dataset_is_gone_exits_2_before_any_service_starts(tmp_path: Path) -> None:
+    data = tmp_path / "qa.jsonl"
+    cfg = write_config(tmp_path, run={"id": "gone-20260101-000000"}, task={"name": "jsonl", "path": str(data)})
+    run_dir = tmp_path / "runs" / "gone-20260101-000000"
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(cfg.read_text())  # the run's saved config; its dataset was removed since
+    code, out, seconds = chorus("up", "--resume", str(run_dir), cwd=tmp_path)
+    flat = " ".join(out.split())
+    assert code == 2, out
+    assert f"task.path: cannot read the dataset {data}" in flat, out
+    assert no_service_started(tmp_path) and seconds < 30, seconds
