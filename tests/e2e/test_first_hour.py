@@ -105,6 +105,19 @@ async def test_a_new_user_runs_watches_reads_and_exports_the_tiny_chain(tmp_path
     assert f"run {run_id} finished at" in flat and f"every model reached train.max_versions ({VERSIONS})" in flat
     assert f"{VERSIONS}/{VERSIONS}" in flat and "best held-out version" in flat, text
 
+    # What the agents said: the sampled episodes as text, each turn's reward the task's check of its response.
+    from services.actions.actions import score_answer
+
+    code, text = await run(CHORUS, "samples", str(run_dir), "--last", "3", "--json", env=env)
+    assert code == 0, text
+    records = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+    assert len(records) == 3, text
+    scored = [(rec, t) for rec in records if not rec["eval"] for t in rec["turns"] if t["reward"] is not None]
+    for rec, t in scored:
+        assert t["reward"] == score_answer(rec["reference"], t["response"])["reward"], (rec, t)
+    code, text = await run(CHORUS, "samples", str(run_dir), "--last", "2", env=env)
+    assert code == 0 and records[-1]["question"] in text, text
+
     # The best held-out version, exported: the logits of Chorus's network holding the kept weights.
     best = json.loads((run_dir / "checkpoints" / "best.json").read_text())
     evals = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"kind":"eval"' in line]
