@@ -923,6 +923,8 @@ def eval_command(
     split: Annotated[str, typer.Option("--split", help="heldout (task.heldout's tasks) or test (the dataset's "
                                                        "test split: gsm8k, humaneval)")] = "heldout",
     tasks: Annotated[int | None, typer.Option("--tasks", help="the first N tasks (default: eval.tasks / all)")] = None,
+    offset: Annotated[int, typer.Option("--offset", help="--split test: skip the first K tasks (split a test set "
+                                                         "over processes)")] = 0,
     samples: Annotated[int | None, typer.Option("--samples", help="n rollouts per task (pass@k, maj@k)")] = None,
     temperature: Annotated[float | None, typer.Option("--temperature", help="0 = greedy")] = None,
     pass_k: Annotated[list[int] | None, typer.Option("--pass-k", help="the k of pass@k (repeatable)")] = None,
@@ -950,7 +952,7 @@ def eval_command(
     try:
         cfg = eval_settings(cfg, samples=samples, temperature=temperature, pass_k=pass_k,
                             max_new_tokens=max_new_tokens)
-        todo = eval_tasks(cfg, split, tasks)
+        todo = eval_tasks(cfg, split, tasks, offset)
         nets, versions = load_nets(cfg, run_dir, "base" if run_dir is None else version)
     except (EvalError, ValueError) as exc:
         err.print(f"[red]error:[/] {exc}", highlight=False)

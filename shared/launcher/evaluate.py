@@ -110,7 +110,7 @@ def eval_settings(cfg: ChorusConfig, *, samples: int | None, temperature: float 
     return cfg.model_copy(update={"eval": eval_section, "workflow": wf})
 
 
-def eval_tasks(cfg: ChorusConfig, split: str, n: int | None) -> list[Any]:
+def eval_tasks(cfg: ChorusConfig, split: str, n: int | None, offset: int = 0) -> list[Any]:
     from services.coordinator.datasets import dataset_split
     from services.coordinator.tasks import heldout_tasks
 
@@ -133,6 +133,7 @@ def eval_tasks(cfg: ChorusConfig, split: str, n: int | None) -> list[Any]:
         tasks = dataset_split(cfg.task, "test", cfg.run.seed)
     except (ValueError, AssertionError) as exc:
         raise EvalError(f"--split test: {exc}") from None
+    tasks = tasks[offset:]
     return tasks if n is None else tasks[:n]
 
 
