@@ -141,6 +141,7 @@ class CoordinatorService(Service):
         self.in_flight = 0
         self._publishing: set[asyncio.Task[None]] = set()
         self._announced_done = False
+        self._closed = False  # every model reached max_versions: episodes that end now are not published
         wf = cfg.workflow
         self.failures = FailureLog(wf.max_failures, wf.backoff_s, wf.backoff_max_s)
         for m in self.models:
@@ -224,7 +225,9 @@ class CoordinatorService(Service):
                 self.log.warning("version poll failed", error=f"{type(exc).__name__}: {exc}")
             if self.admission.budget_spent and not self._announced_done:
                 self._announced_done = True
+                self._closed = True  # from here on an episode's samples are not published (see _task_loop)
                 self.log.info("every model reached max_versions: no new tasks", trained=self.admission.trained)
+                self.spawn(self._close_publishing(), "close")
                 await self.event(events.ADMISSION_STOPPED, trained=dict(self.admission.trained))
             await asyncio.sleep(VERSION_POLL_S)
 
@@ -399,6 +402,13 @@ class CoordinatorService(Service):
                     # An episode the critic did not value publishes nothing: the on-policy gate must not count its
                     # samples (it would close the batch on samples the trainer never gets, and wait for ever).
                     self._admitted_done(ep if valued else None, ticket)
+            if self._closed:
+                # Every model reached train.max_versions: each mq would drop these samples as finished, and the
+                # ones started with --exit-when-done go once the samples published before are recorded.
+                self.counters["samples_not_published_finished"] += len(ep.samples)
+                self._record(ep)
+                await self._sample(ep)
+                continue
             # Once started, a task's samples are published whole even if a drain cancels this loop.
             pub = asyncio.create_task(self._publish(ep, critic))
             self._publishing.add(pub)
@@ -505,6 +515,17 @@ class CoordinatorService(Service):
                           f"{answer.error or 'a value count that does not match the request'}")
         self.counters["critic_values"] += len(rows)
         return apply_gae(self.cfg, layout, answer.values, rows, f"critic-{ep.task.task_id}")
+
+    async def _close_publishing(self) -> None:
+        """Every model reached max_versions: once the samples being published are in, ``closed.coordinator`` says
+        that nothing more comes (an mq started with --exit-when-done waits for it)."""
+        while self._publishing:
+            await asyncio.wait(set(self._publishing))
+        budget = str(self.cfg.train.max_versions).encode()
+        if await self.retried(lambda: self.kv.put(self.names.closed_key("coordinator"), budget),
+                              "writing closed.coordinator") is not None:
+            self.log.info("the run's samples are all published", samples=self.counters["samples_published"],
+                          not_published_finished=self.counters["samples_not_published_finished"])
 
     async def _publish_critic(self, batch: CriticBatch) -> None:
         """The episode's critic samples, one message (its id deduplicates a repeat), before its policy samples."""

@@ -29,6 +29,7 @@ from services.mq.experience_store import AddKind, Dropped, ExperienceStore, Poli
 from shared.kernel import events
 from shared.kernel.bus import fetch, kv_get_int, pull_consumer, stream_seq
 from shared.kernel.codec import DecodeError, encode, encode_json
+from shared.kernel.runstate import stage_closed
 from shared.kernel.schemas import DepthReport, DropEvent, MicroBatch, Sample
 from shared.kernel.service import Service
 from shared.kernel.validation import sample_problem
@@ -96,6 +97,19 @@ class MqService(Service):
             await self._settle(store.handles(), "nak")
         await self.release(getattr(self, "sub", None))
         await self.nc.flush(timeout=5)
+
+    async def exit_blocker(self) -> str | None:
+        """--exit-when-done: the coordinator's last samples are published (``closed.coordinator``) and every one
+        of them read and dropped as finished; then ``closed.mq.<model>`` tells the trainer nothing more comes."""
+        assert self.model is not None
+        if not await stage_closed(self.kv, self.cfg, "coordinator"):
+            return "the coordinator's last samples"
+        info = await self.sub.consumer_info()
+        held = self.store.depth()
+        if info.num_pending or info.num_ack_pending or held or self.trained_version < self.cfg.train.max_versions:
+            return f"samples still to drop as finished: {info.num_pending} unread, {info.num_ack_pending} unacked"
+        await self.kv.put(self.names.closed_key(f"mq.{self.model}"), str(self.cfg.train.max_versions).encode())
+        return None
 
     def extra_metrics(self) -> dict[str, Any]:
         store = getattr(self, "store", None)

@@ -39,6 +39,7 @@ from shared.kernel.bus import fetch, kv_put_int_max, pull_consumer, stream_seq
 from shared.kernel.codec import DecodeError, decode, encode
 from shared.kernel.config import ConfigError
 from shared.kernel.logs import append_line
+from shared.kernel.runstate import stage_closed
 from shared.kernel.schemas import DropEvent, MicroBatch, Sample, StepRecord, WeightsAnnounce
 from shared.kernel.service import Service
 from shared.kernel.validation import sample_problem
@@ -192,6 +193,16 @@ class TrainerService(Service):
         if isinstance(self.source, UcxSource):
             header, buf = await self._torch(self._flatten, self.source.spare())
             await self.source.publish(header, buf)
+
+    async def exit_blocker(self) -> str | None:
+        """--exit-when-done: the model's mq sends nothing more (``closed.mq.<model>``) and every micro-batch of
+        the ready stream is read and dropped as finished."""
+        if not await stage_closed(self.kv, self.cfg, f"mq.{self.model}"):
+            return "the mq's last micro-batches"
+        info = await self.sub.consumer_info()
+        if info.num_pending or info.num_ack_pending or self.queue or self.held:
+            return f"micro-batches still to drop as finished: {info.num_pending} unread, {info.num_ack_pending} unacked"
+        return None
 
     # --- loops ----------------------------------------------------------------------------
     async def _consume_loop(self) -> None:

@@ -49,3 +49,9 @@ async def run_state(kv: KeyValue, cfg: ChorusConfig) -> RunState:
 async def run_finished(kv: KeyValue, cfg: ChorusConfig) -> bool:
     """Every model reached ``train.max_versions`` and, when the run evaluates, its final weights were evaluated."""
     return (await run_state(kv, cfg)).finished
+
+
+async def stage_closed(kv: KeyValue, cfg: ChorusConfig, stage: str) -> bool:
+    """``stage`` (``coordinator``, ``mq.<model>``) sends nothing more to the run's training of
+    ``train.max_versions`` versions (:meth:`Names.closed_key`); a key of a shorter run resumed longer does not count."""
+    return await kv_get_int(kv, Names.closed_key(stage)) >= cfg.train.max_versions

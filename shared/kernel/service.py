@@ -49,6 +49,9 @@ EX_TEMPFAIL = 75  # the exit code of a start the broker failed (sysexits' tempor
 # the process, since a wrong URL stays wrong; a supervisor (chorus up, systemd, Kubernetes) restarts it.
 EX_UNAVAILABLE = 69
 DONE_POLL_S = 1.0  # how often a service started with --exit-when-done reads whether the run has finished
+# --exit-when-done: how long a finished run's service waits for the stage before it to close (exit_blocker) before
+# it exits anyway (that stage is gone for good); what it leaves unrecorded is then named in its log
+EXIT_WAIT_S = 120.0
 CLOSE_SHARE_S = 4.0  # of run.stop_grace_s, kept for closing (tasks, micro service, connection) after the teardown
 # The run cannot go on and a restart would not help (the user's workflow keeps failing): sysexits' EX_CONFIG.
 # `chorus up` stops the run on it; systemd units do not restart on it (RestartPreventExitStatus).
@@ -88,6 +91,7 @@ class Service:
         self._stop = asyncio.Event()
         self.exit_code = 0
         self.start_interrupted = False  # a signal came before the start was complete
+        self.exit_waiting_for: str | None = None  # --exit-when-done, the run finished: what the exit waits for
         # set by a rollouter that the rollout manager moved: after it stopped, the process serves this
         # (model, instance) instead (see serve_until_started)
         self.migrate_to: tuple[str, str] | None = None
@@ -477,14 +481,37 @@ class Service:
                 misses = 0
                 await self.nc.force_reconnect()
 
+    async def exit_blocker(self) -> str | None:
+        """Once the run has finished: what this service still has to do before --exit-when-done may stop it (the
+        samples of the stage before it still coming, or still to be recorded), None when nothing. A service that
+        consumes a run's samples overrides it; the others exit at once."""
+        return None
+
     async def _done_loop(self) -> None:
-        """--exit-when-done: stop (exit 0) once the run has finished, read from the run's KV."""
+        """--exit-when-done: stop (exit 0) once the run has finished, read from the run's KV, and this service has
+        nothing left to record (:meth:`exit_blocker`; at most EXIT_WAIT_S)."""
+        finished_at: float | None = None
+        said: str | None = None
         while not self.stopping:
             try:
-                if await run_finished(self.kv, self.cfg):
-                    self.log.info("the run has finished; exiting (--exit-when-done)")
-                    self.stop(0)
-                    return
+                if finished_at is None and await run_finished(self.kv, self.cfg):
+                    finished_at = time.monotonic()
+                if finished_at is not None:
+                    waiting = await self.exit_blocker()
+                    if waiting is None:
+                        self.log.info("the run has finished; exiting (--exit-when-done)")
+                        self.stop(0)
+                        return
+                    if time.monotonic() - finished_at > EXIT_WAIT_S:
+                        self.counters["exit_wait_expired"] += 1
+                        self.log.warning("the run has finished; exiting (--exit-when-done) without waiting longer",
+                                         waited_s=EXIT_WAIT_S, waiting_for=waiting)
+                        self.stop(0)
+                        return
+                    self.exit_waiting_for = waiting
+                    if waiting.split(":")[0] != said:  # once per kind of wait, not per count
+                        said = waiting.split(":")[0]
+                        self.log.info("the run has finished; waiting before exiting", waiting_for=waiting)
             except (nats.errors.Error, TimeoutError) as exc:
                 self.log.warning("reading whether the run has finished failed", error=f"{type(exc).__name__}: {exc}")
             await asyncio.sleep(DONE_POLL_S)

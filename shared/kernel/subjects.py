@@ -260,6 +260,14 @@ class Names:
         return "eval.final"
 
     @staticmethod
+    def closed_key(stage: str) -> str:
+        """Set to train.max_versions once ``stage`` sends no more samples of the run: ``coordinator`` (every model
+        reached max_versions and its last episodes' samples are in the traj streams), ``mq.<model>`` (every sample
+        stored for the model was dropped as finished, nothing more goes to its ready stream). A service started
+        with --exit-when-done waits for the stage before it, so what was published is recorded before it exits."""
+        return f"closed.{stage}"
+
+    @staticmethod
     def config_key() -> str:
         return "config"
 

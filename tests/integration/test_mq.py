@@ -17,7 +17,7 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
 from services.mq.service import MqService
-from shared.kernel.bus import fetch, kv_put_int_max, pull_consumer
+from shared.kernel.bus import fetch, kv_get_int, kv_put_int_max, pull_consumer
 from shared.kernel.codec import decode, encode
 from shared.kernel.config import ChorusConfig, load_config
 from shared.kernel.schemas import Array, MicroBatch, Sample
@@ -242,3 +242,35 @@ async def test_restart_with_half_received_groups_loses_nothing(nats_url, run_id,
     assert set(dropped) == {"late_0_0", "late_0_1"}
     for mb, _ in batches:  # whole groups only
         assert all(c == GROUP for c in Counter(s.group_key for s in mb.samples).values())
+
+
+async def test_exit_when_done_waits_for_the_coordinators_last_samples_then_closes_for_the_trainer(
+        nats_url: str, run_id: str, tmp_path: Path) -> None:
+    """A finished run (the trainer at train.max_versions) does not stop an mq started with --exit-when-done while
+    samples can still come: samples published after the finish are dropped as ``finished``, the mq waits for
+    ``closed.coordinator``, then writes ``closed.mq.<model>`` for the trainer and exits 0."""
+    cfg = make_cfg(tmp_path, run_id)
+    names = Names(run_id)
+    budget = cfg.train.max_versions
+    async with client(nats_url) as (nc, js):
+        events = await Events().start(nc, names)
+        svc = MqService(cfg, nats_url=nats_url, model=MODEL)
+        svc.exit_when_done = True
+        task = asyncio.create_task(svc.serve())
+        await wait_until(lambda: getattr(svc, "sub", None) is not None or task.done(), "mq started", interval_s=0.02)
+        assert not task.done(), "mq failed to start"
+        kv = await js.key_value(names.kv_bucket)
+        await kv.put(names.trained_key(MODEL), str(budget).encode())
+        await kv.put(names.eval_final_key(), str(budget).encode())
+        await wait_until(lambda: svc.exit_waiting_for == "the coordinator's last samples", "the mq waiting",
+                         interval_s=0.05)
+        late = [sample(run_id, "late", i) for i in range(GROUP)]  # an episode that ended after the finish
+        await send(js, names, late)
+        await wait_until(lambda: set(events.ids()) >= {s.sample_id for s in late}, "the late samples dropped",
+                         interval_s=0.05)
+        assert {d["reason"] for d in events.drops} == {"finished"}, events.drops
+        assert not task.done(), "the mq exited before the coordinator closed"
+        assert await kv_get_int(kv, names.closed_key(f"mq.{MODEL}")) == 0
+        await kv.put(names.closed_key("coordinator"), str(budget).encode())
+        assert await asyncio.wait_for(task, 30) == 0
+        assert await kv_get_int(kv, names.closed_key(f"mq.{MODEL}")) == budget
