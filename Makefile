@@ -76,11 +76,18 @@ test: venv
 # The runs kept out of make test's 20 minutes, which CI runs beside it: a minute at concurrency 64 with a flat
 # JetStream consumer count, the tiny run under the decoupled and REINFORCE++ objectives, a killed run resumed (with
 # one trainer per model and with a training pool), SIGTERM of every kind mid-work, the embedded server's credentials,
+# the tiny MARFT run, a stalled trainer in async mode, the fault gauntlet (every kind and the broker killed in one
+# run, a training pool's slot killed, MARFT's critic killed twice),
 # five minutes of chaos on the five hosts (as root).
 test-long: venv
 	$(BIN)/pytest -q -p no:cacheprovider -m full --durations 4 tests/e2e/test_objectives.py tests/faults/test_resume.py \
 		tests/faults/test_sigterm.py tests/e2e/test_embedded_auth.py \
-		"tests/faults/test_long_run.py::test_the_tiny_run_at_concurrency_64_keeps_training_with_a_flat_consumer_count[1min]"
+		"tests/faults/test_long_run.py::test_the_tiny_run_at_concurrency_64_keeps_training_with_a_flat_consumer_count[1min]" \
+		tests/e2e/test_marft.py \
+		tests/e2e/test_pipeline_modes.py::test_async_a_stalled_trainer_holds_back_neither_the_other_model_nor_memory \
+		tests/faults/test_faults.py::test_marfts_critic_killed_twice_mid_run_loses_nothing_and_trains_nothing_twice \
+		tests/faults/test_faults.py::test_a_training_pool_slot_killed_mid_micro_batch_loses_nothing \
+		tests/faults/test_faults.py::test_every_service_kind_and_the_broker_killed_in_one_run
 	CHAOS_MINUTES=5 $(BIN)/pytest -q -p no:cacheprovider -m chaos -s tests/hosts/test_chaos.py
 
 # docker-compose.yml in a real Docker engine (tests/compose): where none runs, Debian's docker.io is installed and dockerd

@@ -8,6 +8,7 @@ import json
 from collections import Counter, defaultdict
 
 import nats
+import pytest
 import yaml
 
 from shared.kernel.codec import decode
@@ -25,6 +26,7 @@ def fifth_means(xs: list[float]) -> tuple[float, float]:
     return sum(xs[:n]) / n, sum(xs[-n:]) / n
 
 
+@pytest.mark.full  # in make test-long (CI), out of make test's 20 minutes
 async def test_the_tiny_marft_run_keeps_its_books_trains_its_critic_and_learns(nats_url, run_id, tmp_path):
     cfg = yaml.safe_load((ROOT / "configs" / "marft-tiny.yaml").read_text())
     cfg["run"] = {"id": run_id, "dir": str(tmp_path / "runs"), "seed": 0}

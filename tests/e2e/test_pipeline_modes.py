@@ -11,6 +11,7 @@ from collections import defaultdict
 from typing import Any
 
 import nats
+import pytest
 import yaml
 
 from shared.kernel.bus import kv_get_int
@@ -139,6 +140,7 @@ async def test_on_policy_modes_train_every_sample_at_staleness_zero(nats_url, ru
             assert overlapped > 0  # training started while the rest of the batch was still generating
 
 
+@pytest.mark.full  # in make test-long (CI), out of make test's 20 minutes
 async def test_async_a_stalled_trainer_holds_back_neither_the_other_model_nor_memory(nats_url, run_id, tmp_path):
     cfg = config(tmp_path, run_id, mode="async", max_staleness=2)
     raw = yaml.safe_load(cfg.read_text())

@@ -36,6 +36,7 @@ POOL_VERSIONS = 20
 FREEZE_S = 20.0  # longer than every timeout of the fault config (requests 10 s, ack waits 10 and 15 s)
 
 
+@pytest.mark.full  # in make test-long (CI), out of make test's 20 minutes
 async def test_marfts_critic_killed_twice_mid_run_loses_nothing_and_trains_nothing_twice(tmp_path, run_id,
                                                                                         fault_table):
     # MARFT's critic (configs/marft-tiny.yaml: agent-by-agent steps on two models) is SIGKILLed twice, once with a
@@ -66,6 +67,7 @@ async def test_marfts_critic_killed_twice_mid_run_loses_nothing_and_trains_nothi
         assert r.trained > 0 and r.published > 0
 
 
+@pytest.mark.full  # in make test-long (CI), out of make test's 20 minutes
 async def test_a_training_pool_slot_killed_mid_micro_batch_loses_nothing(tmp_path, run_id, fault_table):
     # configs/pool-tiny.yaml: four models' trainers share two slots. A slot worker is SIGKILLed while it runs a
     # micro-batch, twice: the pool starts a fresh worker and runs the call again from the model's stored state.
@@ -88,6 +90,7 @@ async def test_a_training_pool_slot_killed_mid_micro_batch_loses_nothing(tmp_pat
         assert r.trained > 0 and r.published > 0
 
 
+@pytest.mark.full  # in make test-long (CI), out of make test's 20 minutes
 async def test_every_service_kind_and_the_broker_killed_in_one_run(tmp_path, run_id, fault_table):
     # Restarted 2 s later. The faults that stop both models come first; then each per-model kind, on whichever
     # model is behind (the other races ahead while one is down): every fault must land while its model (for a
