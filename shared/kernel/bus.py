@@ -9,7 +9,7 @@ import hashlib
 import json
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 
 import nats
 import numpy as np
@@ -29,6 +29,8 @@ from shared.kernel.subjects import Names
 log = structlog.get_logger("bus")
 
 DEDUP_WINDOW_S = 120.0
+
+T = TypeVar("T")
 
 
 class BrokerUnreachable(ConnectionError):
@@ -116,11 +118,30 @@ async def connect(url: str, name: str, *, timeout_s: float = 5.0, nats_cfg: Nats
     return nc
 
 
+NO_PEERS = 10005  # JetStream's "no suitable peers for placement": a cluster whose servers have not all joined yet
+PLACEMENT_WAIT_S = 30.0  # how long a create waits for the cluster's servers to be known to its meta leader
+
+
+async def _placed(create: Callable[[], Awaitable[T]]) -> T:
+    """``create`` (a stream or bucket), waiting out a cluster still forming: a meta leader that does not yet know
+    enough servers (with the placement tags) for the replicas answers "no suitable peers for placement"."""
+    deadline = asyncio.get_running_loop().time() + PLACEMENT_WAIT_S
+    while True:
+        try:
+            return await create()
+        except BadRequestError as exc:
+            if exc.err_code != NO_PEERS or asyncio.get_running_loop().time() > deadline:
+                raise
+        await asyncio.sleep(0.5)
+
+
 async def ensure_stream(js: JetStreamContext, config: jsapi.StreamConfig) -> jsapi.StreamInfo:
     """Create a stream, or update it in place if it exists with other settings."""
     try:
-        return await js.add_stream(config=config)
-    except BadRequestError:
+        return await _placed(lambda: js.add_stream(config=config))
+    except BadRequestError as exc:
+        if exc.err_code == NO_PEERS:
+            raise
         return await js.update_stream(config=config)
 
 
@@ -140,9 +161,10 @@ async def ensure_kv(js: JetStreamContext, bucket: str, history: int = 1, replica
             deny_delete=True, discard=jsapi.DiscardPolicy.NEW, duplicate_window=DEDUP_WINDOW_S, max_consumers=-1,
             max_msgs=-1, max_msgs_per_subject=history, num_replicas=replicas, placement=placement(tags or []))
         try:
-            await js.add_stream(config=config)
-        except BadRequestError:  # created concurrently by another service
-            pass
+            await _placed(lambda: js.add_stream(config=config))
+        except BadRequestError as exc:  # created concurrently by another service
+            if exc.err_code == NO_PEERS:
+                raise
         return await js.key_value(bucket)
 
 
@@ -151,9 +173,11 @@ async def ensure_obj(js: JetStreamContext, bucket: str, replicas: int = 1, tags:
         return await js.object_store(bucket)
     except (BucketNotFoundError, NotFoundError):
         try:
-            return await js.create_object_store(bucket=bucket, config=jsapi.ObjectStoreConfig(
-                replicas=replicas, placement=placement(tags or [])))
-        except BadRequestError:
+            return await _placed(lambda: js.create_object_store(bucket=bucket, config=jsapi.ObjectStoreConfig(
+                replicas=replicas, placement=placement(tags or []))))
+        except BadRequestError as exc:
+            if exc.err_code == NO_PEERS:
+                raise
             return await js.object_store(bucket)
 
 
