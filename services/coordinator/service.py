@@ -522,7 +522,7 @@ class CoordinatorService(Service):
         while self._publishing:
             await asyncio.wait(set(self._publishing))
         budget = str(self.cfg.train.max_versions).encode()
-        if await self.retried(lambda: self.kv.put(self.names.closed_key("coordinator"), budget),
+        if await self.retried(lambda: self.kv.put(self.names.coordinator_closed_key(), budget),
                               "writing closed.coordinator") is not None:
             self.log.info("the run's samples are all published", samples=self.counters["samples_published"],
                           not_published_finished=self.counters["samples_not_published_finished"])

@@ -102,13 +102,13 @@ class MqService(Service):
         """--exit-when-done: the coordinator's last samples are published (``closed.coordinator``) and every one
         of them read and dropped as finished; then ``closed.mq.<model>`` tells the trainer nothing more comes."""
         assert self.model is not None
-        if not await stage_closed(self.kv, self.cfg, "coordinator"):
+        if not await stage_closed(self.kv, self.cfg, self.names.coordinator_closed_key()):
             return "the coordinator's last samples"
         info = await self.sub.consumer_info()
         held = self.store.depth()
         if info.num_pending or info.num_ack_pending or held or self.trained_version < self.cfg.train.max_versions:
             return f"samples still to drop as finished: {info.num_pending} unread, {info.num_ack_pending} unacked"
-        await self.kv.put(self.names.closed_key(f"mq.{self.model}"), str(self.cfg.train.max_versions).encode())
+        await self.kv.put(self.names.mq_closed_key(self.model), str(self.cfg.train.max_versions).encode())
         return None
 
     def extra_metrics(self) -> dict[str, Any]:

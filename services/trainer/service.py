@@ -197,7 +197,7 @@ class TrainerService(Service):
     async def exit_blocker(self) -> str | None:
         """--exit-when-done: the model's mq sends nothing more (``closed.mq.<model>``) and every micro-batch of
         the ready stream is read and dropped as finished."""
-        if not await stage_closed(self.kv, self.cfg, f"mq.{self.model}"):
+        if not await stage_closed(self.kv, self.cfg, self.names.mq_closed_key(self.model)):
             return "the mq's last micro-batches"
         info = await self.sub.consumer_info()
         if info.num_pending or info.num_ack_pending or self.queue or self.held:

@@ -51,7 +51,7 @@ async def run_finished(kv: KeyValue, cfg: ChorusConfig) -> bool:
     return (await run_state(kv, cfg)).finished
 
 
-async def stage_closed(kv: KeyValue, cfg: ChorusConfig, stage: str) -> bool:
-    """``stage`` (``coordinator``, ``mq.<model>``) sends nothing more to the run's training of
-    ``train.max_versions`` versions (:meth:`Names.closed_key`); a key of a shorter run resumed longer does not count."""
-    return await kv_get_int(kv, Names.closed_key(stage)) >= cfg.train.max_versions
+async def stage_closed(kv: KeyValue, cfg: ChorusConfig, key: str) -> bool:
+    """The stage of ``key`` (:meth:`Names.coordinator_closed_key`, :meth:`Names.mq_closed_key`) sends nothing more
+    to the run's training of ``train.max_versions`` versions; a key of a shorter run resumed longer does not count."""
+    return await kv_get_int(kv, key) >= cfg.train.max_versions

@@ -41,6 +41,8 @@ PUBLISHES: dict[str, tuple[str, ...]] = {
 OWN = ("metrics", "events", "dlq")
 # The run's KV keys each kind writes (puts, compare-and-swaps, deletes), by the Names method that builds them.
 KV_WRITES: dict[str, tuple[str, ...]] = {
+    "coordinator": ("eval_final_key", "coordinator_closed_key"),
+    "mq": ("mq_closed_key",),
     "trainer": ("trained_key", "weights_key"),
     "paramsync": ("version_key", "sync_key", "rollouter_key"),
     "rollouter": ("rollouter_key",),
@@ -260,12 +262,17 @@ class Names:
         return "eval.final"
 
     @staticmethod
-    def closed_key(stage: str) -> str:
-        """Set to train.max_versions once ``stage`` sends no more samples of the run: ``coordinator`` (every model
-        reached max_versions and its last episodes' samples are in the traj streams), ``mq.<model>`` (every sample
-        stored for the model was dropped as finished, nothing more goes to its ready stream). A service started
-        with --exit-when-done waits for the stage before it, so what was published is recorded before it exits."""
-        return f"closed.{stage}"
+    def coordinator_closed_key() -> str:
+        """Set to train.max_versions once the coordinator sends no more samples of the run: every model reached
+        max_versions and its last episodes' samples are in the traj streams. An mq started with --exit-when-done
+        waits for it, so what was published is recorded before it exits."""
+        return "closed.coordinator"
+
+    @staticmethod
+    def mq_closed_key(model: str) -> str:
+        """Set to train.max_versions once the model's mq sends nothing more to its ready stream (every sample
+        stored for the model dropped as finished): what a trainer started with --exit-when-done waits for."""
+        return f"closed.mq.{model}"
 
     @staticmethod
     def config_key() -> str:

@@ -270,7 +270,7 @@ async def test_exit_when_done_waits_for_the_coordinators_last_samples_then_close
                          interval_s=0.05)
         assert {d["reason"] for d in events.drops} == {"finished"}, events.drops
         assert not task.done(), "the mq exited before the coordinator closed"
-        assert await kv_get_int(kv, names.closed_key(f"mq.{MODEL}")) == 0
-        await kv.put(names.closed_key("coordinator"), str(budget).encode())
+        assert await kv_get_int(kv, names.mq_closed_key(MODEL)) == 0
+        await kv.put(names.coordinator_closed_key(), str(budget).encode())
         assert await asyncio.wait_for(task, 30) == 0
-        assert await kv_get_int(kv, names.closed_key(f"mq.{MODEL}")) == budget
+        assert await kv_get_int(kv, names.mq_closed_key(MODEL)) == budget
