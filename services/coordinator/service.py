@@ -140,8 +140,7 @@ class CoordinatorService(Service):
         self.final_correct_ema: float | None = None
         self.in_flight = 0
         self._publishing: set[asyncio.Task[None]] = set()
-        self._announced_done = False
-        self._closed = False  # every model reached max_versions: episodes that end now are not published
+        self._announced_done = False  # every model reached max_versions: episodes that end now are not published
         wf = cfg.workflow
         self.failures = FailureLog(wf.max_failures, wf.backoff_s, wf.backoff_max_s)
         for m in self.models:
@@ -225,7 +224,6 @@ class CoordinatorService(Service):
                 self.log.warning("version poll failed", error=f"{type(exc).__name__}: {exc}")
             if self.admission.budget_spent and not self._announced_done:
                 self._announced_done = True
-                self._closed = True  # from here on an episode's samples are not published (see _task_loop)
                 self.log.info("every model reached max_versions: no new tasks", trained=self.admission.trained)
                 self.spawn(self._close_publishing(), "close")
                 await self.event(events.ADMISSION_STOPPED, trained=dict(self.admission.trained))
@@ -402,7 +400,7 @@ class CoordinatorService(Service):
                     # An episode the critic did not value publishes nothing: the on-policy gate must not count its
                     # samples (it would close the batch on samples the trainer never gets, and wait for ever).
                     self._admitted_done(ep if valued else None, ticket)
-            if self._closed:
+            if self._announced_done:
                 # Every model reached train.max_versions: each mq would drop these samples as finished, and the
                 # ones started with --exit-when-done go once the samples published before are recorded.
                 self.counters["samples_not_published_finished"] += len(ep.samples)

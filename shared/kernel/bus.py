@@ -135,14 +135,24 @@ async def _placed(create: Callable[[], Awaitable[T]]) -> T:
         await asyncio.sleep(0.5)
 
 
-async def ensure_stream(js: JetStreamContext, config: jsapi.StreamConfig) -> jsapi.StreamInfo:
-    """Create a stream, or update it in place if it exists with other settings."""
+async def _create(create: Callable[[], Awaitable[T]], exists: Callable[[], Awaitable[T]]) -> T:
+    """``create``, waiting out a cluster still forming (:func:`_placed`); ``exists`` when it was refused because
+    the stream or bucket is there already (created concurrently, or with other settings)."""
     try:
-        return await _placed(lambda: js.add_stream(config=config))
+        return await _placed(create)
     except BadRequestError as exc:
         if exc.err_code == NO_PEERS:
             raise
-        return await js.update_stream(config=config)
+        return await exists()
+
+
+async def _already_there() -> Any:
+    return None
+
+
+async def ensure_stream(js: JetStreamContext, config: jsapi.StreamConfig) -> jsapi.StreamInfo:
+    """Create a stream, or update it in place if it exists with other settings."""
+    return await _create(lambda: js.add_stream(config=config), lambda: js.update_stream(config=config))
 
 
 def placement(tags: list[str]) -> jsapi.Placement | None:
@@ -160,11 +170,7 @@ async def ensure_kv(js: JetStreamContext, bucket: str, history: int = 1, replica
             name=f"KV_{bucket}", subjects=[f"$KV.{bucket}.>"], allow_rollup_hdrs=True, allow_msg_ttl=True,
             deny_delete=True, discard=jsapi.DiscardPolicy.NEW, duplicate_window=DEDUP_WINDOW_S, max_consumers=-1,
             max_msgs=-1, max_msgs_per_subject=history, num_replicas=replicas, placement=placement(tags or []))
-        try:
-            await _placed(lambda: js.add_stream(config=config))
-        except BadRequestError as exc:  # created concurrently by another service
-            if exc.err_code == NO_PEERS:
-                raise
+        await _create(lambda: js.add_stream(config=config), _already_there)  # created concurrently by another service
         return await js.key_value(bucket)
 
 
@@ -172,13 +178,8 @@ async def ensure_obj(js: JetStreamContext, bucket: str, replicas: int = 1, tags:
     try:
         return await js.object_store(bucket)
     except (BucketNotFoundError, NotFoundError):
-        try:
-            return await _placed(lambda: js.create_object_store(bucket=bucket, config=jsapi.ObjectStoreConfig(
-                replicas=replicas, placement=placement(tags or []))))
-        except BadRequestError as exc:
-            if exc.err_code == NO_PEERS:
-                raise
-            return await js.object_store(bucket)
+        return await _create(lambda: js.create_object_store(bucket=bucket, config=jsapi.ObjectStoreConfig(
+            replicas=replicas, placement=placement(tags or []))), lambda: js.object_store(bucket))
 
 
 async def ensure_run(js: JetStreamContext, cfg: ChorusConfig) -> tuple[KeyValue, ObjectStore]:
