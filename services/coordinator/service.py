@@ -26,6 +26,7 @@ from services.coordinator.workflows import (
     Abandon,
     Episode,
     GenResult,
+    Stopping,
     Tokenizers,
     WorkflowError,
     WorkflowTimeout,
@@ -181,7 +182,7 @@ class CoordinatorService(Service):
             _, pending = await asyncio.wait(loops, timeout=DRAIN_S)
             for t in pending:
                 t.cancel()
-                self.counters["tasks_abandoned"] += 1
+                self.counters["tasks_left_stopping"] += 1
             await asyncio.gather(*pending, return_exceptions=True)
         if self._publishing:
             await asyncio.wait(self._publishing, timeout=10)
@@ -368,6 +369,10 @@ class CoordinatorService(Service):
             try:
                 ep = await run_episode(self.cfg, task, env_idx, self.workflow, self._generate, self._act,
                                        lambda: dict(self.served), self.tokenizers)
+            except Stopping as exc:  # the run ends (or this coordinator shuts down) with the task in flight
+                self.counters["tasks_left_stopping"] += 1
+                self.log.info("task left: the coordinator is stopping", task=task.task_id, error=str(exc))
+                continue
             except Abandon as exc:  # the services did not answer: not the workflow's fault
                 self.counters["tasks_abandoned"] += 1
                 self.log.warning("task abandoned", task=task.task_id, error=str(exc))
@@ -392,6 +397,10 @@ class CoordinatorService(Service):
                 try:
                     critic = await self._marft(ep)
                     valued = True
+                except Stopping as exc:
+                    self.counters["tasks_left_stopping"] += 1
+                    self.log.info("task left: the coordinator is stopping", task=task.task_id, error=str(exc))
+                    continue
                 except Abandon as exc:  # the critic did not answer: the task's samples have no advantages
                     self.counters["tasks_abandoned"] += 1
                     self.log.warning("task abandoned", task=task.task_id, error=str(exc))
@@ -593,7 +602,7 @@ class CoordinatorService(Service):
                                      seconds=round(time.monotonic() - waiting))
                     waiting = time.monotonic()
                 if self.stopping:
-                    break
+                    raise Stopping(f"{what} request to {subject} left: the coordinator is stopping") from None
                 await asyncio.sleep(self._backoff(min(attempt + 3, 6)))
                 continue
             except PeerGone:
@@ -604,10 +613,11 @@ class CoordinatorService(Service):
                 self.counters[f"{what}_timeouts"] += 1
             except nats.errors.Error as exc:
                 if self.stopping or self.nc.is_closed or self.nc.is_draining:
-                    raise Abandon(f"{what} request failed: {type(exc).__name__}: {exc}") from exc
+                    raise Stopping(f"{what} request left: the coordinator is stopping "
+                                   f"({type(exc).__name__}: {exc})") from exc
                 self.counters[f"{what}_connection_errors"] += 1  # reconnecting: wait and try again
             if self.stopping:
-                break
+                raise Stopping(f"{what} request to {subject} left: the coordinator is stopping")
             if self.link_dropped_since(t0):  # this side of the network failed, not the peer: not an attempt
                 self.counters[f"{what}_waits_for_link"] += 1
                 await self.wait_link(self.link_settle_s)
@@ -615,7 +625,7 @@ class CoordinatorService(Service):
             self.counters[f"{what}_retries"] += 1
             await asyncio.sleep(self._backoff(attempt))
             attempt += 1
-        raise Abandon(f"{what} request to {subject} got no answer after {attempt} attempt(s)")
+        raise Abandon(f"{what} request to {subject} got no answer after {attempt} attempts")
 
     @property
     def link_settle_s(self) -> float:
@@ -653,7 +663,7 @@ class CoordinatorService(Service):
                 self.counters["gen_retries"] += 1
                 self.log.warning("bad generation reply", model=model, error=str(exc))
                 if self.stopping:
-                    break
+                    raise Stopping(f"generation for {model} left: the coordinator is stopping") from exc
                 await asyncio.sleep(self._backoff(attempt))
                 continue
             seconds = time.monotonic() - t0
@@ -695,7 +705,7 @@ class CoordinatorService(Service):
                 self.counters["act_retries"] += 1
                 self.log.warning("bad actions reply", kind=kind, error=str(exc))
                 if self.stopping:
-                    break
+                    raise Stopping(f"{kind} actions left: the coordinator is stopping") from exc
                 await asyncio.sleep(self._backoff(attempt))
                 continue
             failed = sum(e is not None for e in result.errors)

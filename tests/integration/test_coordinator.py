@@ -386,3 +386,18 @@ async def test_a_workflow_that_never_returns_is_cancelled_at_its_timeout_and_cou
         assert await asyncio.wait_for(task, 40) == 0
     started = len(glob["STARTED"])
     assert started == len(glob["CANCELLED"]), (started, len(glob["CANCELLED"]))  # none outlives the service
+
+
+async def test_tasks_in_flight_when_the_coordinator_stops_are_left_not_abandoned(nats_url, run_id, tmp_path):
+    """Nobody serves generation (the rollouters gone at the run's end): the tasks waiting on it when the coordinator
+    stops are counted as left, not as abandoned by the services, and logged as such."""
+    cfg = write_config(tmp_path, run_id)
+    coord = CoordinatorService(cfg, nats_url=nats_url)
+    task = await start(coord)
+    try:
+        await wait_until(lambda: coord.counters["gen_no_responders"] >= 2, "requests waiting on a rollouter")
+    finally:
+        coord.stop()
+        assert await asyncio.wait_for(task, 40) == 0
+    assert coord.counters["tasks_left_stopping"] == cfg.workflow.concurrency, dict(coord.counters)
+    assert coord.counters["tasks_abandoned"] == 0, dict(coord.counters)

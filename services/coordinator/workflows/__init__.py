@@ -14,6 +14,7 @@ from services.coordinator.workflows.api import (
     Context,
     Generate,
     GenResult,
+    Stopping,
     Tokenizers,
     Trajectory,
     Turn,
@@ -51,8 +52,8 @@ def workflow_of(cfg: ChorusConfig, base_dirs: list[Path] | None = None) -> Workf
 
 
 __all__ = [
-    "BUILTIN", "Abandon", "Act", "Context", "Episode", "GenResult", "Generate", "Tokenizers", "Trajectory", "Turn",
-    "Workflow", "WorkflowError", "WorkflowTimeout", "chain", "debate", "load_workflow_function", "mixture",
+    "BUILTIN", "Abandon", "Act", "Context", "Episode", "GenResult", "Generate", "Stopping", "Tokenizers",
+    "Trajectory", "Turn", "Workflow", "WorkflowError", "WorkflowTimeout", "chain", "debate", "load_workflow_function", "mixture",
     "printable", "run_episode", "solve_verify", "solve_verify_workflow", "solver_coder_refiner", "verifier_prompt",
     "workflow_of",
 ]

@@ -31,6 +31,11 @@ class Abandon(Exception):
     """A request failed for good (attempts exhausted or the service is stopping): drop the task."""
 
 
+class Stopping(Abandon):
+    """A request left unanswered because this service is stopping (the run's end, a shutdown): the task is left,
+    not counted as a failure of the services it asked."""
+
+
 class WorkflowError(ValueError):
     """A workflow failed or returned something that is not a trajectory; the task is dropped and counted."""
 
