@@ -139,8 +139,9 @@ def check_gsm8k(payload: dict[str, Any]) -> dict[str, Any]:
 
 @register("score_reasoning_gym")
 def score_reasoning_gym(payload: dict[str, Any]) -> dict[str, Any]:
-    """Payload ``{"response", "dataset", "config", "seed", "size", "index"}`` -> that reasoning-gym dataset's own
-    ``score_answer`` of the response's ``<answer>`` (the entry is regenerated here, cached per worker)."""
+    """Payload ``{"response", "dataset", "config", "seed", "size", "index", "flexible"?}`` -> that reasoning-gym
+    dataset's own ``score_answer`` of the response's ``<answer>`` (with ``flexible``, of its final answer when it
+    has no tags; the entry is regenerated here, cached per worker)."""
     response, name, config = payload.get("response"), payload.get("dataset"), payload.get("config") or {}
     seed, size, index = payload.get("seed"), payload.get("size"), payload.get("index")
     if not isinstance(response, str) or not isinstance(name, str) or not isinstance(config, dict) or not all(
@@ -148,7 +149,7 @@ def score_reasoning_gym(payload: dict[str, Any]) -> dict[str, Any]:
         raise ValueError("score_reasoning_gym needs string 'response' and 'dataset', dict 'config' and integer "
                          f"'seed', 'size', 'index'; got {sorted(payload)}")
     assert isinstance(seed, int) and isinstance(size, int) and isinstance(index, int)
-    return rgym.score(name, config, seed, size, index, response)
+    return rgym.score(name, config, seed, size, index, response, flexible=payload.get("flexible") is True)
 
 
 def humaneval_program(response: str, prompt: str, entry_point: str) -> str:

@@ -143,7 +143,8 @@ def verl_tasks(cfg: TaskConfig) -> list[Task]:
 def rg_task(cfg: TaskConfig, seed: int, index: int, task_id: str) -> Task:
     assert cfg.dataset is not None  # checked by TaskConfig
     item = rgym.entry(cfg.dataset, cfg.dataset_config, seed, cfg.size, index)
-    meta = {"dataset": cfg.dataset, "config": cfg.dataset_config, "seed": seed, "size": cfg.size, "index": index}
+    meta = {"dataset": cfg.dataset, "config": cfg.dataset_config, "seed": seed, "size": cfg.size, "index": index,
+            **({"flexible": True} if cfg.answer == "flexible" else {})}
     return _task(task_id, _ask(item["question"], cfg), str(item["answer"]), "score_reasoning_gym", meta)
 
 

@@ -448,6 +448,10 @@ class TaskConfig(Section):
     # reasoning_gym: keyword arguments of reasoning_gym.create_dataset(dataset, seed=..., size=..., **config)
     dataset_config: dict[str, Any] = Field(default_factory=dict)
     size: int = Field(default=100_000, ge=1)  # reasoning_gym: items per seed (training cycles through them)
+    # reasoning_gym: what of a reply its dataset's score_answer scores. tags: what is between <answer> and
+    # </answer> (reasoning-gym's extract_answer; none: None). flexible: that, or with no tags the reply's final
+    # answer as GSM8K's extractor finds it ("The answer is 6.", \boxed{6}, the last number).
+    answer: Literal["tags", "flexible"] = "tags"
     # Text appended to every question (gsm8k, reasoning_gym, humaneval, verl); null: the task's default
     # (docs/data.md), "": none.
     instruction: str | None = None
@@ -464,6 +468,8 @@ class TaskConfig(Section):
                              "'chain_sum' (reasoning_gym.factory.DATASETS lists them)")
         if self.name != "reasoning_gym" and (self.dataset is not None or self.dataset_config):
             raise ValueError(f"dataset: only read when task.name is 'reasoning_gym' (it is {self.name!r})")
+        if self.name != "reasoning_gym" and self.answer != "tags":
+            raise ValueError(f"answer: only read when task.name is 'reasoning_gym' (it is {self.name!r})")
         return self
 
 

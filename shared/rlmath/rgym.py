@@ -35,13 +35,20 @@ def entry(name: str, config: dict[str, Any], seed: int, size: int, index: int) -
     return ds[index]
 
 
-def score(name: str, config: dict[str, Any], seed: int, size: int, index: int, response: str) -> dict[str, Any]:
+def score(name: str, config: dict[str, Any], seed: int, size: int, index: int, response: str, *,
+          flexible: bool = False) -> dict[str, Any]:
     """The dataset's own ``score_answer`` of what the response puts in ``<answer>...</answer>`` (reasoning-gym's
-    ``extract_answer``; no tags: the answer is None, which scores what the dataset gives None, usually 0)."""
+    ``extract_answer``; no tags: the answer is None, which scores what the dataset gives None, usually 0). With
+    ``flexible``, a response without tags is scored on its final answer as :func:`gsm8k.extract_answer` finds it
+    (``####``, ``\\boxed``, "the answer is", else the last number)."""
     from reasoning_gym.utils import extract_answer
+
+    from shared.rlmath import gsm8k
 
     ds = dataset(name, config, seed, size)
     item = entry(name, config, seed, size, index)
     answer = extract_answer(response)
+    if answer is None and flexible:
+        answer = gsm8k.extract_answer(response)
     value = float(ds.score_answer(answer, item))
     return {"reward": value, "correct": value >= 1.0, "answer": answer or ""}
