@@ -100,6 +100,24 @@ def test_reasoning_gym_tasks_are_scored_by_the_datasets_own_score_answer():
         TaskConfig(name="reasoning_gym")
 
 
+def test_flexible_answers_score_a_reply_without_tags_on_its_final_answer():
+    conf = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
+    tags, flexible = (TaskSource(7, TaskConfig(name="reasoning_gym", dataset="chain_sum", dataset_config=conf,
+                                               answer=a), "p").next()[1] for a in ("tags", "flexible"))
+    assert tags.question == flexible.question and "flexible" not in tags.meta
+    right = tags.answer
+    wrong = str(int(right) + 1)
+    for response, as_tags, as_flexible in (
+            (f"The answer is {right}.", 0.0, 1.0), (f"The answer is {wrong}.", 0.0, 0.0),
+            (f"<answer>{right}</answer>", 1.0, 1.0), (f"{wrong} <answer>{right}</answer> {wrong}", 1.0, 1.0),
+            (f"<answer>{wrong}</answer> so {right}", 0.0, 0.0), ("no number", 0.0, 0.0)):
+        for task, want in ((tags, as_tags), (flexible, as_flexible)):
+            got = REGISTRY["score_reasoning_gym"]({**task.meta, "response": response, "expected": task.answer})
+            assert got["reward"] == want, (response, task.meta, got)
+    with pytest.raises(ValueError, match="answer: only read"):
+        TaskConfig(name="gsm8k", answer="flexible")
+
+
 def test_humaneval_response_as_a_body_or_as_a_fenced_function():
     p = datasets.humaneval_problems()[0]
     assert len(datasets.humaneval_problems()) == 164
