@@ -17,6 +17,7 @@ from nats.aio.msg import Msg
 from services.coordinator.admission import Admission, BatchGate, Pacer, expected_samples
 from services.coordinator.evaluation import evaluate
 from services.coordinator.failures import FailureLog, error_key, root_cause
+from services.coordinator.generated import GeneratedTokens
 from services.coordinator.keepbest import BestKeeper
 from services.coordinator.marft import apply_gae, critic_rows, rollouts
 from services.coordinator.routing import NoInstance, RolloutRouter
@@ -52,6 +53,7 @@ from shared.kernel.schemas import (
     SyncDone,
 )
 from shared.kernel.service import EX_RUN_FAILED, Service
+from shared.results.plotting import last_generated
 from shared.results.tracking import EVAL_TRACKER, Trackers
 
 MAX_ATTEMPTS = 8
@@ -127,6 +129,8 @@ class CoordinatorService(Service):
         else:
             self.gate = BatchGate(self.models, cfg.train.global_batch, expected)
         self.served: dict[str, int] = {}
+        # generated tokens against trained versions (metrics.jsonl "generated" lines), continued after a restart
+        self.generated = GeneratedTokens(*await asyncio.to_thread(last_generated, cfg.run_dir / "metrics.jsonl"))
         await self._poll_versions()
         self.best = BestKeeper(self.js, self.names, cfg.run_dir, self.models)
         # Same seed, same questions; the time-based prefix keeps ids unique across coordinator restarts
@@ -197,6 +201,7 @@ class CoordinatorService(Service):
         now = time.monotonic()
         return {
             "in_flight": self.in_flight,
+            "tokens_generated": self.generated.tokens,
             "reward_ema": dict(self.reward_ema),
             "final_correct_ema": self.final_correct_ema,
             "served_versions": dict(self.served),
@@ -223,12 +228,24 @@ class CoordinatorService(Service):
             except (nats.errors.Error, TimeoutError) as exc:  # broker hiccup: keep the last known values
                 self.counters["version_poll_errors"] += 1
                 self.log.warning("version poll failed", error=f"{type(exc).__name__}: {exc}")
+            await self._write_generated()
             if self.admission.budget_spent and not self._announced_done:
                 self._announced_done = True
                 self.log.info("every model reached max_versions: no new tasks", trained=self.admission.trained)
                 self.spawn(self._close_publishing(), "close")
                 await self.event(events.ADMISSION_STOPPED, trained=dict(self.admission.trained))
             await asyncio.sleep(VERSION_POLL_S)
+
+    async def _write_generated(self) -> None:
+        """The tokens generated so far, once per change of the trained versions (services/coordinator/generated.py)."""
+        line = self.generated.on_trained(self.admission.trained)
+        if line is None:
+            return
+        try:
+            await asyncio.to_thread(append_line, self.cfg.run_dir / "metrics.jsonl", json.dumps(line, separators=(",", ":")))
+        except OSError as exc:
+            self.counters["generated_write_errors"] += 1
+            self.log.warning("could not write the generated tokens to metrics.jsonl", error=f"{type(exc).__name__}: {exc}")
 
     async def _on_sync_done(self, msg: Msg) -> None:
         model = msg.subject.rsplit(".", 2)[-2]
@@ -298,11 +315,13 @@ class CoordinatorService(Service):
     # --- held-out evaluation --------------------------------------------------------------
     async def _evaluate(self, final: bool) -> None:
         served = dict(self.served)
+        generated = self.generated.tokens  # the training tokens behind the weights about to be scored
         staged = await self.best.stage(served)  # the weights about to be scored, in case they are the best
         rec = await evaluate(self.cfg, self.heldout, self.workflow, self._generate, self._act,
                              lambda: dict(self.served), self.tokenizers,
                              on_episode=lambda ep: self._sample(ep, eval=True))
         rec["last"] = final
+        rec["tokens_generated"] = generated
         rec["best"] = await self.best.settle(rec, staged, served)
         self.counters["best_copy_errors"] = self.best.errors
         self.counters["evaluations"] += 1
@@ -451,6 +470,7 @@ class CoordinatorService(Service):
 
     def _record(self, ep: Episode) -> None:
         self.counters["tasks_done"] += 1
+        self.generated.add(ep.tokens_generated)
         self.counters["groups_incomplete_dropped"] += ep.dropped_groups
         if ep.reward_errors:
             self.counters["samples_dropped_reward_error"] += len(ep.reward_errors)

@@ -626,6 +626,10 @@ class TrainConfig(Objective):
     # each AT-GRPO group; reinforce_pp whitens the returns over the whole global batch (the trainer holds a batch's
     # micro-batches until it is complete, then runs them).
     advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"] = "grpo"
+    # The group an advantage's baseline is taken over. agent_turn: AT-GRPO's (env, agent, turn). env: plain
+    # GRPO's, every agent's every turn of one task (env) together, computed by the coordinator over the whole
+    # episode (grouping episode, a group estimator). Dispatch is by AT-GRPO group either way.
+    advantage_group: Literal["agent_turn", "env"] = "agent_turn"
     # Every version is committed to the object store (weights and optimizer) before its micro-batches are acked;
     # this adds a file runs/<id>/checkpoints/<model>/v<N>.pt every this many versions (0 = none on the way); the
     # final version's file is always written (`chorus export` turns it into a Hugging Face directory).
@@ -633,6 +637,16 @@ class TrainConfig(Objective):
     threads: int = Field(default=1, ge=1)
     ack_wait_s: float = 60.0
     pool: PoolSection = Field(default_factory=PoolSection)
+
+    @model_validator(mode="after")
+    def _env_groups(self) -> TrainConfig:
+        if self.advantage_group == "env" and (self.grouping != "episode" or self.advantage == "reinforce_pp"
+                                               or self.loss == "marft"):
+            raise ValueError("advantage_group: env (plain GRPO's group of a whole task) is computed by the "
+                             "coordinator over each finished episode: it needs grouping episode, a group "
+                             f"estimator (grpo, dr_grpo, rloo) and a GRPO-family loss (got grouping "
+                             f"{self.grouping!r}, advantage {self.advantage!r}, loss {self.loss!r})")
+        return self
 
     @model_validator(mode="after")
     def _on_policy_modes(self) -> TrainConfig:
@@ -788,6 +802,9 @@ class ChorusConfig(BaseSettings):
             if m.lora is not None and not self.adapters_of(name):
                 raise ValueError(f"models.{name}.lora: no agent names an adapter of this model")
             self.objective(name)  # a per-model override that means nothing fails here, with its key
+        if self.train.advantage_group == "env" and self.workflow.sampling == "tree":
+            raise ValueError("train.advantage_group: env groups a task's rollouts; tree sampling's groups are the "
+                             "candidates of one step (use sampling: parallel, or advantage_group: agent_turn)")
         if self.reward.judge is not None and self.reward.judge not in self.agents:
             raise ValueError(f"reward.judge: agent {self.reward.judge!r} is not one of agents {sorted(self.agents)}")
         wf = self.workflow

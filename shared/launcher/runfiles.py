@@ -21,7 +21,7 @@ from rich.table import Table
 from shared.kernel.config import ChorusConfig
 from shared.kernel.files import write_atomic
 from shared.models import best
-from shared.results.plotting import by_model, load_evals, load_metrics, summarize_steps
+from shared.results.plotting import by_model, last_generated, load_evals, load_metrics, summarize_steps
 
 SUMMARY = "summary.json"
 
@@ -52,7 +52,7 @@ def eval_scores(evals: list[dict[str, Any]]) -> dict[str, Any]:
 
 def write_summary(run_dir: Path, *, code: int, models: dict[str, dict[str, Any]], started: float | None = None) -> None:
     """How ``chorus up`` ended (``code``: 0 finished, 1 failed, 130 interrupted), when and after how long, what each
-    model did, and the final and best held-out scores (from metrics.jsonl)."""
+    model did, the final and best held-out scores and the training tokens generated (from metrics.jsonl)."""
     ended = time.time()
     rec: dict[str, Any] = {"finished": code == 0, "exit_code": code, "ended": ended, "ended_utc": iso_utc(ended)}
     if started is not None:
@@ -61,6 +61,7 @@ def write_summary(run_dir: Path, *, code: int, models: dict[str, dict[str, Any]]
     metrics = run_dir / "metrics.jsonl"
     if metrics.is_file():
         rec |= eval_scores(load_evals(metrics))
+        rec["tokens_generated"] = last_generated(metrics)[0]  # at the last trained version the coordinator saw
     write_atomic(run_dir / SUMMARY, json.dumps(rec, indent=2) + "\n")
 
 

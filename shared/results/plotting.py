@@ -3,7 +3,8 @@
 The file holds one trainer step record per line (``model``, ``version``, ``reward_mean``, ``grad_norm``,
 ``clip_frac``, ``approx_kl_mu``, ``entropy`` ... docs/algorithms.md) and, when evaluation is on, held-out
 evaluation records (``"kind": "eval"``, ``version``, ``pass1`` per agent, ``final`` for the workflow's final
-answer, ``pass_at_k``, ``maj``, ``tokens_per_question``).
+answer, ``pass_at_k``, ``maj``, ``tokens_per_question``, ``tokens_generated``) and the coordinator's generated
+tokens against the trained versions (``"kind": "generated"``, services/coordinator/generated.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 SUMMARY_FRACTION = 0.2  # first/last 20% of a model's steps
+GENERATED = "generated"  # the kind of the coordinator's generated-tokens lines
 
 
 def load_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
@@ -57,6 +59,37 @@ def load_evals(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
         if isinstance(rec, dict) and rec.get("kind") == "eval" and "version" in rec:
             evals.append(rec)
     return sorted(evals, key=lambda r: (int(r["version"]), float(r.get("time", 0.0))))
+
+
+def last_generated(metrics: str | os.PathLike[str]) -> tuple[int, int]:
+    """(tokens_generated, tasks) of the last ``generated`` line of ``metrics`` ((0, 0) when there is none)."""
+    try:
+        lines = Path(metrics).read_text().splitlines()
+    except FileNotFoundError:
+        return 0, 0
+    for line in reversed(lines):
+        if f'"{GENERATED}"' not in line:
+            continue
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue  # a line cut short by a crash
+        if isinstance(rec, dict) and rec.get("kind") == GENERATED:
+            return int(rec.get("tokens_generated", 0)), int(rec.get("tasks", 0))
+    return 0, 0
+
+
+def load_generated(metrics: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Every ``generated`` line of ``metrics``, in file order."""
+    out = []
+    for line in Path(metrics).read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and rec.get("kind") == GENERATED and isinstance(rec.get("versions"), dict):
+            out.append(rec)
+    return out
 
 
 def eval_table_rows(evals: list[dict[str, Any]]) -> list[tuple[str, float, float]]:

@@ -17,6 +17,7 @@ from reasoning_gym.utils import extract_answer
 from shared.kernel.codec import decode
 from shared.kernel.schemas import Sample
 from shared.models.tokenizer import ByteTokenizer
+from shared.results.plotting import load_generated, load_metrics
 from shared.rlmath import rgym
 from tests.e2e.conftest import chorus_up, small_run_config
 
@@ -117,6 +118,15 @@ async def test_verl_parquet_with_compute_score_trains_on_its_rewards(nats_url, r
                    {"function": "reward.py:compute_score"})
     samples, _, text = await _run(path, nats_url, run_id)
     assert f"{VERSIONS}/{VERSIONS}" in text, text[-2000:]
+    # generated tokens against trained versions: every token a step trained was generated before that version
+    metrics = next((tmp_path / "runs").glob("*/metrics.jsonl"))
+    generated, steps = load_generated(metrics), load_metrics(metrics)
+    assert generated and [g["tokens_generated"] for g in generated] == sorted(g["tokens_generated"] for g in generated)
+    for g in generated:
+        trained = sum(r["tokens"] for r in steps if r["version"] <= g["versions"].get(r["model"], 0))
+        assert 0 < trained <= g["tokens_generated"], (g, trained)
+    summary = json.loads((metrics.parent / "summary.json").read_text())
+    assert summary["tokens_generated"] == generated[-1]["tokens_generated"]
     tok = ByteTokenizer()
     for s in samples:  # the sample does not name its row: the length part, plus 0.5 on 3+4's (not clamped to 1)
         response = tok.decode(s.response_ids.tolist())

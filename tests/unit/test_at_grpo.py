@@ -103,6 +103,26 @@ async def test_episode_grouping_sets_advantages_per_env_agent_and_turn():
     assert not torch.allclose(per_agent[1], torch.tensor(expected[1]), atol=1e-3)
 
 
+async def test_env_advantage_group_is_plain_grpo_over_every_agent_and_turn_of_the_task():
+    cfg = config({"name": "chain", "agents": ["a", "b"], "rounds": 2}, {"a": "m1", "b": "m2"},
+                 train={"advantage_group": "env"})
+    ep = await run_episode(cfg, ARITH, 4, given_rewards, Script({"a": lambda u: "1", "b": lambda u: "2"}),
+                           Actions(), dict)
+    got = {(tid, i): by_member(ep)[(AGENT_OF[tid], tid, i)].advantage for tid in GIVEN for i in range(3)}
+    # all 12 rewards one group: mean .5, population std sqrt(1/6): +-sqrt(1.5) or 0 (hand-computed)
+    expected = {0: [R32, -R32, 0.0], 1: [-R32, -R32, R32], 2: [R32, R32, -R32], 3: [0.0, 0.0, 0.0]}
+    assert got == {(t, i): pytest.approx(expected[t][i], rel=1e-4, abs=1e-9) for t in GIVEN for i in range(3)}
+    # dispatch is still by AT-GRPO group: mq sends whole (env, agent, turn) groups
+    assert sorted({s.group_key for s in ep.samples}) == ["t-1:a:0", "t-1:a:2", "t-1:b:1", "t-1:b:3"]
+
+
+@pytest.mark.parametrize("train", [{"grouping": "trainer"}, {"advantage": "reinforce_pp"}, {"loss": "marft"}])
+def test_env_advantage_group_needs_the_coordinators_group_advantages(train: dict[str, Any]):
+    with pytest.raises(ValueError, match="advantage_group: env"):
+        config({"name": "chain", "agents": ["a", "b"]}, {"a": "m1", "b": "m1"},
+               train={"advantage_group": "env", **train})
+
+
 async def test_trainer_grouping_leaves_advantages_to_the_trainer():
     cfg = config({"name": "chain", "agents": ["a", "b"], "rounds": 2}, {"a": "m1", "b": "m1"},
                  train={"grouping": "trainer"})
@@ -301,3 +321,19 @@ def test_trainer_accumulate_passes_given_and_computed_advantages_of_the_kept_row
     Learner.micro_batch(learner, samples, [0, 1, 2], "grpo")  # type: ignore[arg-type]
     (ids, adv), = got
     assert ids == ["g1_0", "g1_1", "g2_0"] and adv == pytest.approx([0.7, -0.7, 1.0], abs=1e-5)
+
+
+# --- generated tokens: the budget that compares a team with a single agent -----------------------------------
+
+
+async def test_an_episode_counts_the_tokens_of_every_row_generated_for_it():
+    cfg = config({"name": "debate", "agents": ["a", "b"], "rounds": 2}, {"a": "m1", "b": "m2"})
+    ep = await run_episode(cfg, ARITH, 0, BUILTIN["debate"], Script({"a": lambda u: "7", "b": lambda u: "12"}),
+                           Actions(), dict)
+    # 3 rollouts x 2 rounds: a's "7"+EOS (2 tokens) and b's "12"+EOS (3 tokens) each round
+    assert ep.tokens_generated == 3 * 2 * (2 + 3) == sum(len(s.response_ids) for s in ep.samples)
+    tree = config({"sampling": "tree"}, {"solver": "m1", "verifier": "m2"})
+    policy = Candidates({"solver": pick("5", "9", "3"), "verifier": pick("6", "7", "7!")})
+    ep = await run_episode(tree, ARITH, 4, BUILTIN["solve_verify"], policy, Actions(), lambda: {"m1": 3, "m2": 5})
+    # every candidate counts, the ones not kept too: 3 x ("5", "9", "3") + ("6", "7", "7!"), each with its EOS
+    assert ep.tokens_generated == 3 * 2 + (2 + 2 + 3) == sum(len(s.response_ids) for s in ep.samples)

@@ -267,6 +267,7 @@ class Runtime:
         self.tokenizers = tokenizers
         self.tree = tree
         self.batcher = Batcher(1 if tree is not None else cfg.workflow.group_size, window_s)
+        self.tokens_generated = 0  # response tokens of every row generated for this task (tree candidates, judge)
 
     def agent(self, name: str) -> AgentConfig:
         a = self.cfg.agents.get(name)
@@ -286,6 +287,7 @@ class Runtime:
             if len(rows) != len(prompts):
                 raise ValueError(f"{model}: expected {len(prompts)} rows, got {len(rows)}")
             seconds = time.monotonic() - t0
+            self.tokens_generated += sum(len(r.ids) for r in rows)
             texts = await asyncio.to_thread(lambda: [tok.decode(r.ids) for r in rows])
             for row, ids, text in zip(rows, prompts, texts, strict=True):
                 row.prompt_ids, row.text = ids, text

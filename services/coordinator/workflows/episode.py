@@ -59,6 +59,7 @@ class Episode:
     untrained_turns: int = 0  # turns that name no generation of their rollout (scripted text, tool turns)
     seconds: float = 0.0
     reward_errors: list[str] = field(default_factory=list)  # why each sample without a reward was dropped
+    tokens_generated: int = 0  # response tokens of every generation of the task's rollouts, trained or not
 
 
 async def run_episode(
@@ -119,7 +120,8 @@ async def run_episode(
     else:
         ep = to_episode(cfg, task, env_idx, trajectories, ctxs, dict(versions()), seconds)
     if cfg.train.grouping == "episode" and not cfg.marft_on:  # MARFT's advantages are the critic's GAE
-        with_advantages(ep.samples, cfg.train.advantage)
+        with_advantages(ep.samples, cfg.train.advantage, by_env=cfg.train.advantage_group == "env")
+    ep.tokens_generated = runtime.tokens_generated
     return ep
 
 
@@ -128,12 +130,14 @@ async def step_rewards(ctx: Context, task: Task, texts: list[str], finished: lis
     return [s.reward for s in await check(ctx, task, texts, finished)]
 
 
-def with_advantages(samples: list[Sample], estimator: str = "grpo") -> None:
-    """Episode-complete dispatch: set every sample's advantage within its (env, agent, turn) group (a group
-    estimator; reinforce_pp's are the trainer's, over its global batch)."""
+def with_advantages(samples: list[Sample], estimator: str = "grpo", *, by_env: bool = False) -> None:
+    """Episode-complete dispatch: set every sample's advantage within its (env, agent, turn) group, or with
+    ``by_env`` (plain GRPO) within its env, every agent and turn of the task together (a group estimator;
+    reinforce_pp's are the trainer's, over its global batch)."""
     if estimator not in GROUP_ESTIMATORS:
         return
-    adv = estimate([s.reward for s in samples], [s.group_key for s in samples], estimator)
+    keys = [s.env_idx if by_env else s.group_key for s in samples]
+    adv = estimate([s.reward for s in samples], keys, estimator)
     for s, a in zip(samples, adv, strict=True):
         s.advantage = float(a)
 
