@@ -3,7 +3,7 @@
     python loadtests/bench_actions.py [--batches 128 256 512 1024 1280 1536] [--steps 2] [--seeds 3]
                                       [--exec-ms <sandbox ms>] [--real-repeats 3]
 
-Part a: a discrete-event simulation (services/actions/simulator.py, which calls the scheduler the actions service
+Part a: a discrete-event simulation (loadtests/actions_simulator.py, which calls the scheduler the actions service
 runs) of 1280 CPU cores over 5 nodes: per RL step one burst of `batch` trajectories, each a series of tool calls
 between LLM generations and one long-tailed test-suite reward action (Amdahl elasticity, DoP 1..32). The trace is
 calibrated to the paper's published figures (TraceConfig; docs/actions.md); every policy plays the same traces.
@@ -37,9 +37,9 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
-from bench_sandbox import isolated_ms  # loadtests/, this script's own directory
-
-from services.actions.simulator import TraceConfig, make_trace, simulate
+# both beside this script in loadtests/ (its own directory is on sys.path)
+from actions_simulator import TraceConfig, make_trace, simulate
+from bench_sandbox import isolated_ms
 
 BASELINES = ("static-1", "static-4", "fixed-4", "fixed-16", "elastic")
 POLICIES = (*BASELINES, "chorus")

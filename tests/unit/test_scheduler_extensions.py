@@ -2,7 +2,7 @@
 running action frees, shortest-expected-first order with an ageing bound, and malleable suites; hand-computed cases,
 then hypothesis: never over-allocates, nothing younger starts ahead of an action past the ageing bound, a malleable
 suite never runs more cases than the cores it holds; and the simulator that measures them
-(services/actions/simulator.py) on small traces."""
+(loadtests/actions_simulator.py) on small traces."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from loadtests.actions_simulator import Step, TraceConfig, make_trace, simulate, suite_seconds
 from services.actions.elastic import (
     CHORUS,
     PAPER,
@@ -26,7 +27,6 @@ from services.actions.elastic import (
     schedule,
     total_units,
 )
-from services.actions.simulator import Step, TraceConfig, make_trace, simulate, suite_seconds
 
 ZERO = Elasticity("zero")
 
