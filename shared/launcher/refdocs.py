@@ -186,7 +186,7 @@ def config_md() -> str:
     from shared.kernel.config import ChorusConfig
 
     out = [HEADER, "# Configuration keys\n\n",
-           "Every key of a run config, from the pydantic models in `shared/kernel/config.py`. Any key can be overridden "
+           "Every key of a run config, from the pydantic models in `shared/kernel/config/`. Any key can be overridden "
            "from the environment: `CHORUS_` + the path with `__` between parts, e.g. `CHORUS_TRAIN__MAX_VERSIONS=3`; "
            "a whole section as JSON, e.g. `CHORUS_NATS='{\"url\": \"nats://host:4222\"}'`. `<name>` stands for a "
            "model or agent name. The walk-through with examples is [../config.md](../config.md).\n"]
