@@ -68,18 +68,22 @@ class BatchGate:
     """Admission of the on-policy modes: the tasks of one global batch per model run at one weight version.
 
     A batch opens at the versions the rollouters serve. Tasks start while some model still lacks
-    ``global_batch`` samples in it (a running task counts with its expected samples, a finished one with
-    its real ones). Then the batch is closed: the next one opens once its tasks are done and every model
-    serves a newer version, so each sample is trained by the weights that generated it (staleness 0).
+    ``global_batch`` samples in it: a finished task counts with its real samples, a running one with the most
+    samples a task can still give (the most any task has given, at first the one-turn-per-agent guess), so that
+    a workflow whose tasks give varying numbers (episodes that end early) does not start tasks whose samples
+    overshoot the batch and arrive too stale for the next one. Then the batch is closed: the next one opens once
+    its tasks are done and every model serves a newer version, so each sample is trained by the weights that
+    generated it (staleness 0).
     """
 
     models: list[str]
     global_batch: int
-    expected: dict[str, float]  # samples one task gives each model; replaced by what tasks really give
+    expected: dict[str, float]  # the most samples one task has given each model (first: a guess); a running task's
     base: dict[str, int] | None = None  # served versions when the open batch opened; None before the first
     reserved: dict[str, float] = field(default_factory=dict)
     in_flight: int = 0
     batches: int = 0  # batches opened
+    seen: dict[str, float] = field(default_factory=dict)  # the most samples one finished task gave each model
 
     def needs(self, model: str, done: Collection[str]) -> bool:
         return model not in done and self.reserved.get(model, 0.0) < self.global_batch
@@ -116,8 +120,14 @@ class BatchGate:
             held = self.expected[m] if ticket is None else ticket[m]
             self.reserved[m] = self.reserved.get(m, 0.0) - held + got.get(m, 0)
             if got.get(m, 0) > 0:  # a task that lost its groups says nothing about the next one
-                self.expected[m] = float(got[m])
+                self.seen[m] = max(self.seen.get(m, 0.0), float(got[m]))
+                self.expected[m] = self.seen[m]
         self.in_flight -= 1
+
+    def complete(self, done: Collection[str] = ()) -> bool:
+        """Every task of the open batch has ended and it holds the samples every model needs: what MARFT's
+        coordinator waits for before it normalises the batch and publishes it whole."""
+        return self.base is not None and not self.in_flight and not any(self.needs(m, done) for m in self.models)
 
 
 @dataclass

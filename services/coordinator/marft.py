@@ -6,19 +6,25 @@ round (the reward of its last turn) goes to the last agent of the round, the oth
 every observation come back in one request per episode; action-level GAE (MARFT-A) or token-level GAE (MARFT-T)
 over the rollout, with the bootstrap cut only at the rollout's end, gives each sample its advantage, values and
 returns, and one critic sample (observation, V_old, return) per policy sample.
+
+The coordinator holds an on-policy batch's valued episodes until its last task is in (:class:`HeldBatch`), then
+normalises their advantages over the whole batch, every agent of every model pooled (the listing's ``[B, n]``
+buffer; MARFT-T: every token of it), and publishes them together, each sample carrying the count of its model's
+samples in the batch: the trainer steps on exactly those (services/trainer/marft_step.py), the batch's last task
+included, so nothing overshoots into the next version as stale.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from services.coordinator.workflows.episode import Episode, turn_rewards
 from shared.kernel.config import ChorusConfig
 from shared.kernel.schemas import Array, CriticBatch, CriticRow, CriticSample, Sample
-from shared.rlmath.marft import token_gae
+from shared.rlmath.marft import normalise_advantages, token_gae
 
 
 @dataclass
@@ -114,4 +120,48 @@ def apply_gae(cfg: ChorusConfig, layout: Sequence[Rollout], values: Sequence[Seq
     return CriticBatch(batch_id=batch_id, samples=critic)
 
 
-__all__ = ["Rollout", "apply_gae", "critic_rows", "rollouts"]
+def normalise_batch(samples: Sequence[Sample], variant: str) -> None:
+    """Normalise the GAE advantages of a whole on-policy batch in place, every agent and model pooled
+    (:func:`shared.rlmath.marft.normalise_advantages`: exact zeros out of the statistics, a batch without spread
+    left as it is), and set each sample's ``batch_samples``: its model's samples in the batch."""
+    if variant == "token":
+        arrays = [np.asarray(s.token_advantages.numpy() if s.token_advantages is not None else
+                             np.full(int(s.response_ids.shape[0]), s.advantage or 0.0), dtype=np.float64)
+                  for s in samples]
+        flat = normalise_advantages(np.concatenate(arrays)) if arrays else np.zeros(0)
+        for s, a in zip(samples, np.split(flat, np.cumsum([a.size for a in arrays])[:-1]) if arrays else [],
+                        strict=True):
+            s.token_advantages = Array.of(a.astype("float32"), "float32")
+            s.advantage = float(a.mean()) if a.size else 0.0
+    else:
+        for s, a in zip(samples, normalise_advantages([s.advantage or 0.0 for s in samples]), strict=True):
+            s.advantage = float(a)
+    per_model: dict[str, int] = {}
+    for s in samples:
+        per_model[s.model] = per_model.get(s.model, 0) + 1
+    for s in samples:
+        s.batch_samples = per_model[s.model]
+
+
+@dataclass
+class HeldBatch:
+    """The valued episodes of the open on-policy batch (number ``batch``), with their critic samples."""
+
+    batch: int | None = None
+    items: list[tuple[Episode, CriticBatch]] = field(default_factory=list)
+
+    def add(self, batch: int, ep: Episode, critic: CriticBatch) -> None:
+        if self.batch is not None and batch != self.batch and self.items:
+            raise ValueError(f"an episode of batch {batch} while batch {self.batch} is held: the on-policy gate "
+                             "opens a batch only when the last one is done")
+        self.batch = batch
+        self.items.append((ep, critic))
+
+    def take(self, variant: str) -> list[tuple[Episode, CriticBatch]]:
+        """The held episodes, normalised together (:func:`normalise_batch`); the hold is empty after."""
+        items, self.items, self.batch = self.items, [], None
+        normalise_batch([s for ep, _ in items for s in ep.samples], variant)
+        return items
+
+
+__all__ = ["HeldBatch", "Rollout", "apply_gae", "critic_rows", "normalise_batch", "rollouts"]

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from shared.models.critic import CentralCritic
-from shared.rlmath.marft_loss import explained_variance, value_loss
+from shared.rlmath.losses import explained_variance, value_loss
 
 ADAM_EPS = 1e-5  # MARFT's critic optimizer
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import math
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -24,7 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from services.trainer.grpo import aggregate_loss, kl_estimate, micro_batch_advantages, policy_loss_terms
+from services.trainer import optstep
+from services.trainer.advantages import micro_batch_advantages
 from services.trainer.logprobs import (
     PAD_BOUND,
     ResponseScorer,
@@ -34,14 +34,13 @@ from services.trainer.logprobs import (
     prompt_groups,
     shared_width,
 )
-from shared.kernel.config import ChorusConfig
+from services.trainer.marft_step import marft_step
+from shared.kernel.config import ChorusConfig, ConfigError
 from shared.kernel.schemas import Sample
 from shared.kernel.validation import arrays_problem, numbers_problem
 from shared.models.loading import context_length, load_model, load_tokenizer, resolve_device, shipped_tensors
 from shared.rlmath.advantages import batch_advantages, batch_token_advantages
-from shared.rlmath.marft import agent_to_train, normalise_advantages
-from shared.rlmath.marft_loss import action_logprob, action_ratio, approx_kl
-from shared.rlmath.schedules import lr_factor
+from shared.rlmath.losses import LossSettings, PolicyBatch, kl_estimate, loss_name, policy_loss, regularised
 
 _CKPT = re.compile(r"^v(\d+)\.pt$")
 
@@ -133,13 +132,18 @@ class Learner:
         obj = cfg.objective(model)  # train.* with models.<model>.train over it
         self.clip_eps = obj.clip_eps
         self.loss_name, self.loss_agg = obj.loss, obj.loss_agg
+        # the registered policy loss (shared/rlmath/losses.py): nothing else computes one
+        try:
+            self.policy_loss = policy_loss(loss_name(obj.loss, cfg.marft.variant))
+        except ValueError as exc:  # a name no restart will register: the trainer stops for good, saying which
+            raise ConfigError(f"train.loss: {exc}") from None
         self.clip_ratio_c, self.behav_imp_weight_cap = obj.clip_ratio_c, obj.behav_imp_weight_cap
         self.entropy_coef = obj.entropy_coef
         self.kl_coef, self.kl_estimator = obj.kl_coef, obj.kl_estimator
         self.kl_reward = obj.kl_coef > 0 and obj.kl_in == "reward"  # the penalty goes into the rewards
         self.kl_loss = obj.kl_coef > 0 and obj.kl_in == "loss"  # the estimate goes into the loss
         # reinforce_pp normalises over the global batch: its samples are held until the batch is in; so does MARFT
-        # (its advantages are normalised over the whole batch, every agent pooled)
+        # (its step takes the whole batch: services/trainer/marft_step.py)
         self.marft = obj.loss == "marft"
         self.batch_level = cfg.train.advantage == "reinforce_pp" or self.marft
         self.marft_cfg = cfg.marft
@@ -176,7 +180,7 @@ class Learner:
         self.share_prompts = True  # samples with one prompt run it once (False: one row per sample)
         self.trainable = [p for p in self.net.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.trainable, lr=optim.lr, betas=tuple(optim.betas),
-                                           weight_decay=optim.weight_decay)
+                                           eps=optim.eps, weight_decay=optim.weight_decay)
         self.optim, self.max_versions = optim, cfg.train.max_versions
         self.version = 0
         self.accumulated = 0
@@ -287,7 +291,7 @@ class Learner:
                 out[i] = self.kl_coef * k.astype(np.float64)
             n = float(batch.loss_mask.sum())
             stats.append({"kl_ref": float(kl.sum()) / max(n, 1.0), "tokens": n})
-        self._reward_kl.append({**merge_token_stats(stats), "kl_penalty": float(sum(p.sum() for p in out)),
+        self._reward_kl.append({**optstep.merge_token_stats(stats), "kl_penalty": float(sum(p.sum() for p in out)),
                                 "samples": float(len(samples))})
         return out
 
@@ -321,24 +325,12 @@ class Learner:
         would give, without running it.
         """
         prox = logp.detach() if self.loss_name == "decoupled" else None
-        per_token, stats = policy_loss_terms(logp, logp_behav, adv, mask, clip_eps=self.clip_eps, loss=self.loss_name,
-                                             logp_prox=prox, clip_ratio_c=self.clip_ratio_c,
-                                             behav_imp_weight_cap=self.behav_imp_weight_cap)
-        loss = aggregate_loss(per_token, mask, self.loss_agg, self.global_batch)
-        fmask = mask.to(logp.dtype)
-        tokens = fmask.sum().clamp(min=1.0)
-        entropy = self.scorer.last_entropy
-        if entropy is not None:
-            stats["entropy"] = float((entropy.detach() * fmask).sum() / tokens)
-            if self.entropy_coef > 0:
-                # L = L_pg - c_H * agg(H_t): maximising the entropy of the policy at the response positions
-                loss = loss - self.entropy_coef * aggregate_loss(entropy * fmask, fmask, self.loss_agg,
-                                                                 self.global_batch)
-        if logp_ref is not None:
-            # L = L_pg + beta * agg(k_t(pi_theta, pi_ref)): verl's use_kl_loss
-            kl = kl_estimate(logp, logp_ref, self.kl_estimator) * fmask
-            stats["kl_ref"] = float(kl.detach().sum() / tokens)
-            loss = loss + self.kl_coef * aggregate_loss(kl, fmask, self.loss_agg, self.global_batch)
+        settings = LossSettings(clip_eps=self.clip_eps, agg=self.loss_agg, denominator=self.global_batch,
+                                clip_ratio_c=self.clip_ratio_c, behav_imp_weight_cap=self.behav_imp_weight_cap)
+        loss, stats = self.policy_loss(PolicyBatch(logp, logp_behav, adv, mask, logp_prox=prox), settings)
+        loss = regularised(loss, stats, mask, self.loss_agg, self.global_batch, entropy=self.scorer.last_entropy,
+                           entropy_coef=self.entropy_coef, logp=logp, logp_ref=logp_ref, kl_coef=self.kl_coef,
+                           kl_estimator=self.kl_estimator)
         return loss, stats
 
     def _add_stats(self, n: int, loss_sum: float, parts: Sequence[dict[str, float]]) -> None:
@@ -368,6 +360,11 @@ class Learner:
         return [str(a) for a in adapters]
 
     def ready(self) -> bool:
+        """Whether the next step can run: ``global_batch`` samples are in, or, for MARFT, every sample of the
+        on-policy batch the coordinator published whole (``batch_samples``, which may pass the global batch by
+        the last task's overshoot)."""
+        if self.marft and self._held:
+            return self.accumulated >= max(s.batch_samples or self.global_batch for s in self._held)
         return self.accumulated >= self.global_batch
 
     def hold(self, samples: Sequence[Sample]) -> float:
@@ -402,7 +399,7 @@ class Learner:
         if not self.ready():
             return None
         if self.marft:
-            return self._marft_step()
+            return marft_step(self)
         self._flush()
         n = self.accumulated
         # Each micro-batch divided by global_batch; a different count is renormalised to a mean over n.
@@ -412,144 +409,17 @@ class Learner:
         if scale != 1.0:
             for p in params:
                 p.grad.mul_(scale)
-        if self.grad_clip > 0:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.grad_clip))
-        else:
-            grad_norm = float(torch.norm(torch.stack([p.grad.norm() for p in params]))) if params else 0.0
-        # A NaN or inf anywhere in the gradients would reach every weight through AdamW: skip the update.
-        skipped = not math.isfinite(grad_norm)
-        lr = self.optim.lr * lr_factor(self.version + 1, self.max_versions, self.optim.schedule,
-                                       self.optim.warmup_versions, self.optim.min_lr_ratio)
+        lr = optstep.scheduled_lr(self.optim, self.version, self.max_versions)
+        grad_norm, skipped = optstep.apply(self.optimizer, params, lr, self.grad_clip)
         if not skipped:
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            self.optimizer.step()
             self.version += 1
-        self.optimizer.zero_grad(set_to_none=True)
-        stats = {"tokens": 0.0, **merge_token_stats(self._parts), "lr": lr}  # token means over the step, *_max its largest
-        if self._reward_kl:  # kl_in reward: k_t(mu, ref) token mean, and the mean penalty per sample
-            pen = sum(p["kl_penalty"] for p in self._reward_kl) / max(sum(p["samples"] for p in self._reward_kl), 1.0)
-            stats.update(kl_ref=merge_token_stats(self._reward_kl)["kl_ref"], kl_reward_penalty=pen)
+        stats = optstep.step_stats(self._parts, lr, self._reward_kl)
         result = StepResult(self.version, n, self._loss_sum * scale, grad_norm, stats, skipped)
         self.accumulated = 0
         self._loss_sum = 0.0
         self._parts = []
         self._reward_kl = []
         return result
-
-    # --- MARFT ----------------------------------------------------------------------------
-    def _marft_step(self) -> StepResult:
-        """MARFT's policy step over the held global batch (docs/marft.md): the advantages normalised over the whole
-        batch (every agent pooled, exact zeros out of the statistics); only the selected agent's samples in the
-        loss (``(version // marft.agent_interval) % n``, every agent when the interval is 0), so only its adapter
-        gets gradients and a model none of whose agents is selected does not step; eq. (6)'s clipped action-level
-        ratio (MARFT-T: per token); above ``marft.kl_target`` the k3 KL over the step's tokens cuts the step.
-        The version moves on whether or not the weights do (the on-policy gate and the agent cycle go on)."""
-        held, self._held = self._held, []
-        self.accumulated = 0
-        mc = self.marft_cfg
-        token = mc.variant == "token"
-        # pooled normalisation over the batch's actions (MARFT-A) or tokens (MARFT-T)
-        if token:
-            arrays = [np.asarray(s.token_advantages.numpy() if s.token_advantages is not None else
-                                 np.full(int(s.response_ids.shape[0]), s.advantage or 0.0), dtype=np.float64)
-                      for s in held]
-            flat = normalise_advantages(np.concatenate(arrays)) if arrays else np.zeros(0)
-            adv: list[Any] = list(np.split(flat, np.cumsum([a.size for a in arrays])[:-1])) if arrays else []
-        else:
-            adv = normalise_advantages([s.advantage or 0.0 for s in held]).tolist()
-        selected = agent_to_train(self.version, mc.agent_interval, len(self.marft_agents))
-        agent = None if selected is None else self.marft_agents[selected]
-        untrained: dict[str, list[str]] = {}
-        why: dict[str, str] = {}
-        stats: dict[str, float] = {"marft_agent": -1.0 if selected is None else float(selected)}
-        if self.version < mc.warmup:
-            train_idx: list[int] = []
-            untrained["critic_warmup"] = [s.sample_id for s in held]
-            why["critic_warmup"] = f"critic warm-up: version {self.version} < marft.warmup {mc.warmup}"
-        else:
-            train_idx = [i for i, s in enumerate(held) if agent is None or s.agent == agent]
-            others = [s.sample_id for i, s in enumerate(held) if agent is not None and s.agent != agent]
-            if others:
-                untrained["marft_agent"] = others
-                why["marft_agent"] = (f"agent-by-agent: version {self.version} trains agent {agent!r} "
-                                      f"((v // {mc.agent_interval}) % {len(self.marft_agents)} = {selected})")
-        loss_sum, kl, tokens = 0.0, 0.0, 0.0
-        if train_idx:
-            loss_sum, kl, tokens, parts = self._marft_accumulate([held[i] for i in train_idx],
-                                                                 [adv[i] for i in train_idx], token)
-            stats.update(merge_token_stats(parts))
-        stats["approx_kl"] = kl
-        cut = bool(train_idx) and mc.kl_target is not None and kl > mc.kl_target
-        params = [p for p in self.trainable if p.grad is not None]
-        grad_norm = 0.0
-        if params and not cut:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.grad_clip if self.grad_clip > 0
-                                                             else float("inf")))
-        skipped = bool(params) and not cut and not math.isfinite(grad_norm)
-        lr = self.optim.lr * lr_factor(self.version + 1, self.max_versions, self.optim.schedule,
-                                       self.optim.warmup_versions, self.optim.min_lr_ratio)
-        if cut:
-            untrained["kl_cut"] = [held[i].sample_id for i in train_idx]
-            why["kl_cut"] = (f"trust-region cut: approximate KL {kl:.3g} > marft.kl_target {mc.kl_target:g} at "
-                             f"version {self.version}; the policy step is skipped")
-        elif params and not skipped:
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            self.optimizer.step()
-        if not skipped:
-            self.version += 1
-        self.optimizer.zero_grad(set_to_none=True)
-        stats.update(lr=lr, kl_cut=float(cut), trained_samples=float(0 if cut else len(train_idx)))
-        self._parts, self._loss_sum = [], 0.0
-        return StepResult(self.version, len(held), loss_sum, grad_norm, stats, skipped, untrained, why)
-
-    def _marft_accumulate(self, samples: Sequence[Sample], advantages: Sequence[Any], token: bool
-                          ) -> tuple[float, float, float, list[dict[str, float]]]:
-        """Forward + backward of MARFT's policy loss over ``samples`` (normalised ``advantages``: one per sample,
-        or one array per sample in MARFT-T); returns (loss, approximate KL, tokens, per-sub-batch statistics)."""
-        mc = self.marft_cfg
-        n = len(samples)
-        total_tokens = float(sum(int(s.response_ids.shape[0]) for s in samples))
-        words = None
-        if mc.action_norm == "word":
-            words = [max(1, len(self.tokenizer.decode(s.response_ids.numpy().tolist()).split())) for s in samples]
-        loss_sum, kl_sum = 0.0, 0.0
-        parts: list[dict[str, float]] = []
-        for idx, batch in self._batches(samples):
-            logp = self._logprobs(self.scorer, batch)
-            mask = batch.loss_mask.to(logp.dtype)
-            a = token_layout([advantages[i] for i in idx], batch.loss_mask)
-            if token:
-                ratio = torch.exp(logp - batch.logp_behav)
-                clipped = torch.clamp(ratio, 1.0 - self.clip_eps, 1.0 + self.clip_eps)
-                surrogate = torch.min(ratio * a, clipped * a) * mask
-                loss = -surrogate.sum() / max(total_tokens, 1.0)
-                clipfrac = float((((ratio - clipped).abs() > 0).float() * mask).sum() / mask.sum().clamp(min=1))
-            else:
-                w = None if words is None else torch.as_tensor([words[i] for i in idx], device=logp.device)
-                lp = action_logprob(logp, mask, mc.action_norm, w)
-                lp_old = action_logprob(batch.logp_behav, mask, mc.action_norm, w)
-                ratio = action_ratio(lp, lp_old)
-                clipped = torch.clamp(ratio, 1.0 - self.clip_eps, 1.0 + self.clip_eps)
-                loss = -torch.min(ratio * a, clipped * a).sum() / n
-                clipfrac = float(((ratio - clipped).abs() > 0).float().mean())
-            entropy = self.scorer.last_entropy
-            ent = float((entropy.detach() * mask).sum() / mask.sum().clamp(min=1)) if entropy is not None else 0.0
-            if entropy is not None and self.entropy_coef > 0:
-                loss = loss - self.entropy_coef * (entropy * mask).sum() / max(total_tokens, 1.0)
-            if self.kl_loss:
-                ref = self._reference_logprobs(batch)
-                loss = loss + self.kl_coef * (kl_estimate(logp, ref, self.kl_estimator) * mask).sum() / max(total_tokens, 1.0)
-            k3 = approx_kl(logp.detach(), batch.logp_behav, mask)
-            tok = float(mask.sum())
-            kl_sum += float(k3) * tok
-            self._backward(loss)
-            loss_sum += float(loss.detach())
-            parts.append({"tokens": tok, "clip_frac": clipfrac, "entropy": ent,
-                          "ratio_mean": float((ratio.detach() * (mask if token else 1)).sum()
-                                              / (mask.sum().clamp(min=1) if token else max(len(idx), 1)))})
-        return loss_sum, kl_sum / max(total_tokens, 1.0), total_tokens, parts
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
         """What a weight update carries, by name: every parameter, or only the adapters of a LoRA model."""
@@ -607,18 +477,6 @@ class Learner:
             # non-fused AdamW reads each one back to the host every step.
             self.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
         return path
-
-
-def merge_token_stats(parts: Sequence[dict[str, float]]) -> dict[str, float]:
-    """:func:`policy_loss_terms` stats of sub-batches as one batch's: ``tokens`` summed, ``*_max`` the largest,
-    the others (token means) weighted by their tokens."""
-    if not parts:
-        return {}
-    tokens = sum(p["tokens"] for p in parts)
-    merged = {k: (max(p[k] for p in parts) if k.endswith("_max")
-                  else sum(p[k] * p["tokens"] for p in parts) / max(tokens, 1.0))
-              for k in parts[0] if k != "tokens"}
-    return {**merged, "tokens": tokens}
 
 
 def token_layout(advantages: Sequence[float] | Sequence[np.ndarray], mask: torch.Tensor) -> torch.Tensor:

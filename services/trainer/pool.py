@@ -549,6 +549,7 @@ class PooledLearner:
     def __init__(self, pool: TrainingPool, model: str) -> None:
         self.pool, self.model_name = pool, model
         self.global_batch = pool.cfg.train.global_batch
+        self.marft = pool.cfg.marft_on
         info = self._call("describe", mutates=True).value  # builds the learner and stores its first state
         self.vocab_size: int = info["vocab_size"]
         self.context: int | None = info["context"]
@@ -567,7 +568,11 @@ class PooledLearner:
         self.pool.release(self.model_name, more)
 
     def ready(self) -> bool:
-        return self.accumulated >= self.global_batch
+        if self.accumulated < self.global_batch:
+            return False
+        if self.marft:  # a MARFT batch may be larger than the global batch: the slot's learner knows
+            return bool(self._call("ready", mutates=False).value)
+        return True
 
     def micro_batch(self, samples: Any, keep_idx: Any, estimator: str) -> float:
         return float(self._call("micro_batch", list(samples), list(keep_idx), estimator).value)

@@ -41,14 +41,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from services.trainer.grpo import micro_batch_advantages
-from services.trainer.learner import Collated, Learner, StepResult, merge_token_stats, token_layout
+from services.trainer import optstep
+from services.trainer.advantages import micro_batch_advantages
+from services.trainer.learner import Collated, Learner, StepResult, token_layout
 from services.trainer.logprobs import prompt_groups
 from shared.kernel.config import ChorusConfig, ConfigError, deep_merge
 from shared.kernel.schemas import Sample
 from shared.models.loading import resolve_device, shipped_tensors
 from shared.rlmath.advantages import batch_advantages, batch_token_advantages
-from shared.rlmath.schedules import lr_factor
 
 BUCKET = 20_000_000  # elements of a ZeRO gradient or gather bucket
 LIVE = 30_000_000  # ZeRO-3: gathered parameters kept alive at most
@@ -168,21 +168,16 @@ class ZeroLearner(Learner):
         torch.distributed.all_gather_object(gathered, (loss_sum, parts))
         loss_sum = sum(g[0] for g in gathered)
         parts = [p for g in gathered for p in g[1]]
-        lr = self.optim.lr * lr_factor(self.version + 1, self.max_versions, self.optim.schedule,
-                                       self.optim.warmup_versions, self.optim.min_lr_ratio)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        if total:
+        lr = optstep.scheduled_lr(self.optim, self.version, self.max_versions)
+        optstep.set_lr(self.optimizer, lr)
+        if total:  # the engine clips (gradient_clipping) and skips a step whose gradients overflow
             self.engine.step()
         norm = self.engine.get_global_grad_norm() if total else 0.0
         grad_norm = float(norm) if norm is not None else 0.0
         skipped = not np.isfinite(grad_norm)
         if not skipped:
             self.version += 1
-        stats = {"tokens": 0.0, **merge_token_stats(parts), "lr": lr}
-        if self._reward_kl:
-            pen = sum(p["kl_penalty"] for p in self._reward_kl) / max(sum(p["samples"] for p in self._reward_kl), 1.0)
-            stats.update(kl_ref=merge_token_stats(self._reward_kl)["kl_ref"], kl_reward_penalty=pen)
+        stats = optstep.step_stats(parts, lr, self._reward_kl)
         self._reward_kl = []
         return StepResult(self.version, n, loss_sum * scale, grad_norm, stats, skipped)
 

@@ -170,6 +170,9 @@ class Sample(Message):
     gae_values: Array | None = None
     gae_returns: Array | None = None
     token_advantages: Array | None = None
+    # MARFT: the samples of this model in the on-policy batch this one belongs to (the coordinator publishes a
+    # batch whole, its advantages normalised together); the trainer's step takes exactly them. None: global_batch
+    batch_samples: int | None = Field(default=None, gt=0)
     version: int  # acting model's weight version at generation (of the oldest token: staleness counts from it)
     # weight version of each response token, int32 [n]; None: all ``version``. Several versions only when a
     # sync interrupted the generation (rollouter.on_sync interrupt).

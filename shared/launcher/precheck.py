@@ -74,6 +74,20 @@ def function_problems(cfg: ChorusConfig) -> list[str]:
     return out
 
 
+def loss_problems(cfg: ChorusConfig) -> list[str]:
+    """Every model's ``train.loss`` is a registered policy loss (shared/rlmath/losses.py)."""
+    from shared.rlmath.losses import loss_name, policy_loss
+
+    out: list[str] = []
+    for model in sorted(cfg.models):
+        loss = cfg.objective(model).loss
+        key = "train.loss" if loss == cfg.train.loss else f"models.{model}.train.loss"
+        problem = _problem(key, lambda n=loss: policy_loss(loss_name(n, cfg.marft.variant)))
+        if problem and problem not in out:
+            out.append(problem)
+    return out
+
+
 FILE_KEYS = ("password_file", "nkey_seed", "creds", "tls_cert", "tls_key", "tls_ca")
 
 
@@ -97,4 +111,5 @@ def credential_problems(cfg: ChorusConfig) -> list[str]:
 
 def problems(cfg: ChorusConfig) -> list[str]:
     """Every problem of a loaded config, each naming its key and path; empty when the run can start."""
-    return model_problems(cfg) + task_problems(cfg) + function_problems(cfg) + credential_problems(cfg)
+    return (model_problems(cfg) + task_problems(cfg) + function_problems(cfg) + loss_problems(cfg)
+            + credential_problems(cfg))

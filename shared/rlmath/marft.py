@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 NORM_EPS = 1e-8  # the public code's epsilon in the advantage normalisation
+NO_SPREAD = 1e-9  # relative std under which non-zero advantages have no spread (normalise_advantages leaves them)
 
 
 def gae(rewards: Sequence[float] | Any, values: Sequence[float] | Any, ends: Sequence[bool] | Any,
@@ -108,14 +109,20 @@ def token_gae(step_tokens: Sequence[Sequence[int]], rewards: Sequence[float], va
 
 def normalise_advantages(adv: Any, eps: float = NORM_EPS) -> np.ndarray:
     """(A - mean) / (std + eps) over the whole batch, all agents pooled, where the mean and the (population)
-    standard deviation leave out the entries that are exactly 0; every entry is normalised, zeros included.
+    standard deviation leave out the entries that are exactly 0; every entry is normalised, zeros included (the
+    listing's ``nanmean`` / ``nanstd`` with zeros as NaN).
 
-    With no non-zero entry there is nothing to normalise by: the advantages come back unchanged (all 0)."""
+    Guard (not in the listing): non-zero entries without spread (a single one, or all equal) give std 0, and
+    the listing would turn every zero into -mean / 1e-8 (about -3e7 for a mean of 0.3); such a batch, like one with
+    no non-zero entry, comes back unchanged: there is nothing to scale by (docs/marft.md)."""
     a = np.asarray(adv, dtype=np.float64)
     nonzero = a[a != 0.0]
     if nonzero.size == 0:
         return a.copy()
-    return (a - nonzero.mean()) / (nonzero.std() + eps)
+    std = nonzero.std()
+    if std <= NO_SPREAD * max(1.0, float(np.abs(nonzero).max())):
+        return a.copy()
+    return (a - nonzero.mean()) / (std + eps)
 
 
 def last_agent_rewards(team_rewards: Sequence[float], agents: int) -> np.ndarray:

@@ -9,12 +9,12 @@ import itertools
 import nats
 import torch
 
-from services.trainer.grpo import group_advantages
 from services.trainer.learner import Learner
 from shared.kernel.codec import encode
 from shared.kernel.schemas import MicroBatch, Sample
 from shared.kernel.subjects import Names
 from shared.models.weights import load_into
+from shared.rlmath.advantages import group_advantages
 from tests.integration.test_trainer import MODEL, Watch, fetch_object, group, start, wait_until, write_cfg
 
 KEYS = ["a", "b", "c", "d"]  # four groups of 4 samples: one global batch of 16 in micro-batches of 4

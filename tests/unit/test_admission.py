@@ -296,3 +296,35 @@ def test_tasks_of_varying_size_give_back_what_they_reserved_when_the_estimate_mo
     gate.finished({"a": 11}, tickets[1])
     assert gate.reserved["a"] == 31
     assert gate.may_start(served)
+
+
+def test_a_running_task_counts_with_the_most_a_task_has_given_so_the_batch_is_not_overshot():
+    # MARFT-like episodes that end early: a task gives 8 or 16 samples; the batch wants 16
+    gate = BatchGate(["a"], global_batch=16, expected={"a": 8.0})
+    served = {"a": 0}
+    assert gate.may_start(served)
+    gate.started()
+    gate.finished({"a": 16})  # a full-length episode: 16 samples
+    assert gate.expected == {"a": 16.0} and not gate.may_start(served)  # 16 done: the batch is full
+    assert gate.complete()
+    served["a"] = 1
+    assert gate.may_start(served) and gate.batches == 2
+    first = gate.started()
+    assert first == {"a": 16.0} and not gate.may_start(served)  # one running task may give all 16: no second
+    gate.finished({"a": 8}, first)  # it ended early
+    assert gate.expected == {"a": 16.0}  # a short episode does not lower what a task can give
+    assert not gate.complete() and gate.may_start(served)  # 8 short: one more task
+    second = gate.started()
+    assert not gate.may_start(served)
+    gate.finished({"a": 8}, second)
+    assert gate.reserved == {"a": 16.0} and gate.complete()
+
+
+def test_the_batch_is_not_complete_while_a_task_runs_or_a_model_lacks_samples():
+    gate = BatchGate(["a", "b"], global_batch=4, expected={"a": 4.0, "b": 4.0})
+    assert not gate.complete()  # no batch yet
+    assert gate.may_start({"a": 0, "b": 0})
+    ticket = gate.started()
+    assert not gate.complete()
+    gate.finished({"a": 4, "b": 2}, ticket)
+    assert not gate.complete() and gate.complete(done={"b"})

@@ -111,7 +111,7 @@ def test_dumped_config_loads_back_identically(tmp_path: Path) -> None:
     ({"clip_ratio_c": 1.0}, "train.clip_ratio_c"),
     ({"behav_imp_weight_cap": 0.5, "loss": "decoupled"}, "train.behav_imp_weight_cap"),
     ({"behav_imp_weight_cap": 5.0}, "behav_imp_weight_cap"),  # ppo_clip has no pi_prox / mu to cap
-    ({"loss": "grpo"}, "train.loss"),
+    ({"loss": "grpo loss"}, "train.loss"),  # a name: whether it is registered, `chorus check` and the trainer say
     ({"loss_agg": "mean"}, "train.loss_agg"),
     ({"kl_coef": -0.1}, "train.kl_coef"),
     ({"kl_estimator": "k4"}, "train.kl_estimator"),

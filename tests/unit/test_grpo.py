@@ -3,11 +3,23 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
 
-from services.trainer.grpo import group_advantages, ppo_clip_loss
+from shared.rlmath import advantages
+from shared.rlmath.losses import LossSettings, PolicyBatch, ppo_clip
+
+
+def group_advantages(rewards: Any, group_ids: list[Any]) -> torch.Tensor:
+    return torch.from_numpy(advantages.group_advantages(rewards, group_ids)).to(torch.float32)
+
+
+def ppo_clip_loss(logp_new: torch.Tensor, logp_behav: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
+                  clip_eps: float, global_batch: int) -> tuple[torch.Tensor, dict[str, float]]:
+    """The registered ppo_clip, token-mean per sample, summed and divided by ``global_batch``."""
+    return ppo_clip(PolicyBatch(logp_new, logp_behav, adv, mask), LossSettings(clip_eps=clip_eps, denominator=global_batch))
 
 
 def test_group_advantages_normalise_within_each_group_with_population_std():

@@ -7,9 +7,28 @@ import math
 import pytest
 import torch
 
-from services.trainer.grpo import AGGREGATIONS, KL_ESTIMATORS, aggregate_loss, kl_estimate, policy_loss_terms
+from shared.rlmath.losses import (
+    AGGREGATIONS,
+    KL_ESTIMATORS,
+    LossSettings,
+    PolicyBatch,
+    aggregate_loss,
+    kl_estimate,
+    ppo_terms,
+)
 
 LOG = math.log
+
+
+def policy_loss_terms(logp: torch.Tensor, behav: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, *,
+                      clip_eps: float, loss: str = "ppo_clip", logp_prox: torch.Tensor | None = None,
+                      clip_ratio_c: float | None = None, behav_imp_weight_cap: float | None = None
+                      ) -> tuple[torch.Tensor, dict[str, float]]:
+    """The per-token terms of the PPO family's registered losses (``ppo_terms``) in this file's words."""
+    if loss not in ("ppo_clip", "decoupled"):
+        raise ValueError(f"loss {loss!r} is not one of the PPO family")
+    settings = LossSettings(clip_eps=clip_eps, clip_ratio_c=clip_ratio_c, behav_imp_weight_cap=behav_imp_weight_cap)
+    return ppo_terms(PolicyBatch(logp, behav, adv, mask, logp_prox=logp_prox), settings, loss == "decoupled")
 
 
 def _leaf(values: list[list[float]]) -> torch.Tensor:

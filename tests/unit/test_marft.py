@@ -1,4 +1,4 @@
-"""MARFT's math against values computed by hand (shared/rlmath/marft.py, marft_loss.py)."""
+"""MARFT's math against values computed by hand (shared/rlmath/marft.py, the marft losses of losses.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from shared.rlmath.losses import LossSettings, PolicyBatch, action_logprob, marft_action, token_k3, value_loss
 from shared.rlmath.marft import (
     action_gae,
     agent_to_train,
@@ -16,7 +17,6 @@ from shared.rlmath.marft import (
     normalise_advantages,
     token_gae,
 )
-from shared.rlmath.marft_loss import action_logprob, action_ratio, approx_kl, policy_loss, value_loss
 
 GAMMA, LAM = 0.9, 0.5
 
@@ -60,6 +60,20 @@ def test_normalisation_leaves_exact_zeros_out_of_the_statistics_but_normalises_t
     np.testing.assert_array_equal(normalise_advantages([0.0, 0.0]), [0.0, 0.0])  # nothing to normalise by
 
 
+@pytest.mark.parametrize("adv", [[0.0, 0.3, 0.0, 0.0], [0.0, 0.3, 0.3, 0.0, 0.3], [0.7]])
+def test_non_zero_advantages_without_spread_are_left_as_they_are(adv: list[float]) -> None:
+    # the listing: std 0, so (0 - 0.3) / 1e-8 = -3e7 on every zero; the guard leaves the batch unchanged
+    with np.errstate(all="ignore"):
+        a = np.asarray(adv)
+        listing = (a - a[a != 0].mean()) / (a[a != 0].std() + 1e-8)
+    if 0.0 in adv:
+        assert np.abs(listing).max() > 1e6
+    np.testing.assert_array_equal(normalise_advantages(adv), adv)
+    # one more distinct value restores the spread and the normalisation
+    out = normalise_advantages([*adv, 0.5])
+    assert abs(float(np.mean([x for x, y in zip(out, [*adv, 0.5], strict=True) if y != 0]))) < 1e-9
+
+
 def test_token_level_gae_on_a_short_sequence() -> None:
     # one step: agent 0 says two tokens, agent 1 one; the reward 1 on the last token of the last agent
     #   k=2: 1 - 0.4 = 0.6                                  A = 0.6
@@ -78,7 +92,7 @@ def test_the_action_level_ratio_under_each_normalisation() -> None:
     words = torch.tensor([2, 1])
 
     def ratio(norm: str) -> list[float]:
-        return action_ratio(action_logprob(new, mask, norm, words), action_logprob(old, mask, norm, words)).tolist()
+        return torch.exp(action_logprob(new, mask, norm, words) - action_logprob(old, mask, norm, words)).tolist()
 
     # sums: new [-6, -1], old [-6.5, -1.5]; per token: / [3, 2]; per word: / [2, 1]
     assert ratio("none") == pytest.approx([math.exp(0.5), math.exp(0.5)])
@@ -89,16 +103,40 @@ def test_the_action_level_ratio_under_each_normalisation() -> None:
 
 
 def test_the_clipped_policy_loss_the_value_loss_and_the_approximate_kl() -> None:
-    # min(1.5 * 1, 1.2 * 1) = 1.2; min(0.5 * -1, 0.8 * -1) = -0.8; eq. (6) is their mean 0.2, the loss -0.2
-    assert float(policy_loss(torch.tensor([1.5, 0.5]), torch.tensor([1.0, -1.0]), 0.2)) == pytest.approx(-0.2)
+    # one token per action, ratios 1.5 and 0.5: min(1.5 * 1, 1.2 * 1) = 1.2; min(0.5 * -1, 0.8 * -1) = -0.8;
+    # eq. (6) is their mean 0.2, the loss -0.2
+    old = torch.zeros(2, 1)
+    batch = PolicyBatch(torch.log(torch.tensor([[1.5], [0.5]])), old, torch.tensor([1.0, -1.0]), torch.ones(2, 1))
+    loss, _ = marft_action(batch, LossSettings(clip_eps=0.2, denominator=2.0))
+    assert float(loss) == pytest.approx(-0.2)
     # V 1.0, V_old 0.5, R 2.0, clip 0.2: unclipped (2 - 1)^2 / 2 = 0.5, clipped V 0.7: 1.3^2 / 2 = 0.845
     v, v_old, r = torch.tensor([1.0]), torch.tensor([0.5]), torch.tensor([2.0])
     assert float(value_loss(v, v_old, r, clip=0.2)) == pytest.approx(0.845)
     assert float(value_loss(v, v_old, r, clip=None)) == pytest.approx(0.5)
     assert float(value_loss(v, v_old, r, clip=0.2, huber_delta=1.0)) == pytest.approx(0.8)  # 1 * (1.3 - 0.5)
-    # log rho [0.5, 0]: k3 = e^0.5 - 1 - 0.5 and 0, mean over the two tokens
-    kl = approx_kl(torch.tensor([[-1.0, -2.0, 7.0]]), torch.tensor([[-1.5, -2.0, 0.0]]), torch.tensor([[1.0, 1.0, 0.0]]))
+    # marft.kl_level token: log rho [0.5, 0]: k3 = e^0.5 - 1 - 0.5 and 0, mean over the two tokens
+    kl = token_k3(torch.tensor([[-1.0, -2.0, 7.0]]), torch.tensor([[-1.5, -2.0, 0.0]]), torch.tensor([[1.0, 1.0, 0.0]]))
     assert float(kl) == pytest.approx((math.exp(0.5) - 1.5) / 2)
+
+
+@pytest.mark.parametrize("norm", ["none", "token", "word"])
+def test_the_trust_region_kl_is_k3_of_each_whole_actions_log_ratio(norm: str) -> None:
+    # the listing: get_joint_action_log_probs, then k3 of each action's log-ratio, averaged over the actions
+    g = torch.Generator().manual_seed(3)
+    lengths = [1, 4, 9, 16]
+    mask = torch.tensor([[1.0] * n + [0.0] * (16 - n) for n in lengths])
+    new = -torch.rand(4, 16, generator=g) * 3
+    old = new - 0.05 + torch.randn(4, 16, generator=g) * 0.01  # a policy that moved: every token a bit likelier
+    words = torch.tensor([1, 2, 3, 5])
+    _, stats = marft_action(PolicyBatch(new, old, torch.ones(4), mask, words=words),
+                            LossSettings(action_norm=norm, denominator=4.0))
+    by_hand = []
+    for i, n in enumerate(lengths):
+        lr = float((new[i, :n] - old[i, :n]).sum()) / {"none": 1, "token": n, "word": int(words[i])}[norm]
+        by_hand.append(math.exp(lr) - 1 - lr)
+    assert stats["approx_kl"] == pytest.approx(sum(by_hand) / 4, rel=1e-3)  # float32 sums of the log-ratios
+    if norm == "none":  # far above the token-level mean of the same log-ratios (the 16-token action alone: 0.32)
+        assert stats["approx_kl"] > 20 * float(token_k3(new, old, mask))
 
 
 def test_agent_by_agent_cycles_and_the_team_reward_goes_to_the_last_agent() -> None:

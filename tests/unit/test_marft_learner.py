@@ -21,7 +21,7 @@ ADAPTERS = {"reasoner": "rea", "actor": "act"}
 
 
 def marft_cfg(tmp_path, *, interval: int = 1, kl_target: float | None = None, variant: str = "action",
-              warmup: int = 0, batch: int = 8) -> ChorusConfig:
+              warmup: int = 0, batch: int = 8, kl_level: str = "action") -> ChorusConfig:
     kl = "null" if kl_target is None else repr(kl_target)
     p = tmp_path / "marft.yaml"
     p.write_text(
@@ -31,7 +31,8 @@ def marft_cfg(tmp_path, *, interval: int = 1, kl_target: float | None = None, va
         "agents: {reasoner: {model: m, adapter: rea}, actor: {model: m, adapter: act}}\n"
         "workflow: {name: chain, agents: [reasoner, actor], rounds: 2, feedback: true, group_size: 2}\n"
         f"train: {{loss: marft, mode: sync, max_staleness: 0, global_batch: {batch}, micro_batch: {batch}}}\n"
-        f"marft: {{variant: {variant}, agent_interval: {interval}, kl_target: {kl}, warmup: {warmup}}}\n"
+        f"marft: {{variant: {variant}, agent_interval: {interval}, kl_target: {kl}, warmup: {warmup}, "
+        f"kl_level: {kl_level}}}\n"
     )
     return load_config(p)
 
@@ -112,14 +113,15 @@ def test_interval_zero_steps_every_agent_together(tmp_path):
 def test_a_step_above_the_kl_target_is_cut_the_version_moves_on_and_the_critic_still_steps(tmp_path):
     learner_cfg = marft_cfg(tmp_path, interval=0, kl_target=0.01)
     learner = Learner(learner_cfg, "m")
-    # behaviour log-probs 0.5 nats above the policy's: log rho = -0.5, k3 = e^-0.5 - 1 + 0.5 = 0.107 per token
+    # behaviour log-probs 0.5 nats above the policy's on each of an action's 3 tokens: the action's log rho is
+    # -1.5, k3 = e^-1.5 - 1 + 1.5 = 0.723 per action (marft.kl_level token: e^-0.5 - 1 + 0.5 = 0.107 per token)
     before = adapters(learner)
     samples = batch(learner, off=0.5)
     learner.micro_batch(samples, list(range(len(samples))), "grpo")
     result = learner.step()
     assert result is not None and result.version == 1 and not result.skipped
     assert result.stats["kl_cut"] == 1.0
-    assert result.stats["approx_kl"] == pytest.approx(np.exp(-0.5) - 1 + 0.5, rel=1e-3)
+    assert result.stats["approx_kl"] == pytest.approx(np.exp(-1.5) - 1 + 1.5, rel=1e-3)
     assert sorted(result.untrained["kl_cut"]) == sorted(s.sample_id for s in samples)
     assert "marft.kl_target" in result.why["kl_cut"]
     after = adapters(learner)
@@ -150,3 +152,16 @@ def test_the_critic_warm_up_holds_the_policy_still(tmp_path):
         assert result is not None and result.version == v + 1
         assert len(result.untrained["critic_warmup"]) == len(samples)
     assert not changed(before["act"], adapters(learner)["act"])
+
+
+@pytest.mark.parametrize(("kl_level", "cut"), [("action", True), ("token", False)])
+def test_the_cut_reads_the_kl_of_whole_actions_unless_kl_level_is_token(tmp_path, kl_level: str, cut: bool):
+    # 0.2 nats per token on 3-token actions: per action log rho = -0.6, k3 = 0.149 (over the 0.1 target); per
+    # token k3 = e^-0.2 - 1 + 0.2 = 0.0187 (under it)
+    learner = Learner(marft_cfg(tmp_path, interval=0, kl_target=0.1, kl_level=kl_level), "m")
+    samples = batch(learner, off=0.2)
+    learner.micro_batch(samples, list(range(len(samples))), "grpo")
+    result = learner.step()
+    assert result is not None and result.stats["kl_cut"] == float(cut)
+    expected = np.exp(-0.6) - 1 + 0.6 if kl_level == "action" else np.exp(-0.2) - 1 + 0.2
+    assert result.stats["approx_kl"] == pytest.approx(expected, rel=1e-3)

@@ -125,3 +125,13 @@ def test_a_config_with_three_problems_lists_all_three(tmp_path: Path) -> None:
     assert found[0].startswith(f"models.solver_lm.path: {tmp_path / 'missing-model'}"), found
     assert found[1].startswith(f"task.path: cannot read the dataset {tmp_path / 'missing.jsonl'}"), found
     assert found[2].startswith("reward.function") and "missing_reward.py" in found[2], found
+
+
+def test_a_policy_loss_that_is_not_registered_is_named(tmp_path: Path) -> None:
+    from shared.launcher.precheck import problems
+    from tests.unit.test_learner import make_cfg
+
+    cfg = make_cfg(tmp_path, train_extra=", loss: ppo_klipp")
+    assert [p for p in problems(cfg) if p.startswith("train.loss")] == [
+        "train.loss: policy loss 'ppo_klipp' is not registered: one of decoupled, marft, marft_token, ppo_clip "
+        "(shared/rlmath/losses.py)"]

@@ -14,12 +14,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.trainer.grpo import aggregate_loss, policy_loss_terms
-from services.trainer.learner import Collated, Learner, collate, merge_token_stats
+from services.trainer.learner import Collated, Learner, collate
 from services.trainer.logprobs import pack_rows, pack_shared, prompt_groups
+from services.trainer.optstep import merge_token_stats
 from shared.kernel.config import ChorusConfig
 from shared.kernel.schemas import Array, Sample
 from shared.models.tokenizer import BOS_ID, EOS_ID, VOCAB_SIZE
+from shared.rlmath.losses import LossSettings, PolicyBatch, aggregate_loss, ppo_terms
 
 # Long-tailed responses: a 40-token row among short ones, so the micro-batch is cut into sub-batches.
 PROMPTS = [5, 7, 6, 9, 5, 8, 6, 7]
@@ -69,9 +70,9 @@ def reference_logprobs(learner: Learner, batch: Collated) -> torch.Tensor:
 def reference_accumulate(learner: Learner, samples: list[Sample], adv: list[float]) -> tuple[float, dict[str, float]]:
     """The previous accumulate: one collated micro-batch, one forward and backward."""
     batch = collate(samples, learner.pad_id)
-    per_token, stats = policy_loss_terms(reference_logprobs(learner, batch), batch.logp_behav, torch.tensor(adv),
-                                         batch.loss_mask, clip_eps=learner.clip_eps, loss=learner.loss_name,
-                                         clip_ratio_c=learner.clip_ratio_c)
+    pb = PolicyBatch(reference_logprobs(learner, batch), batch.logp_behav, torch.tensor(adv), batch.loss_mask)
+    per_token, stats = ppo_terms(pb, LossSettings(clip_eps=learner.clip_eps, clip_ratio_c=learner.clip_ratio_c),
+                                 learner.loss_name == "decoupled")
     loss = aggregate_loss(per_token, batch.loss_mask, learner.loss_agg, learner.global_batch)
     loss.backward()
     return float(loss.detach()), stats

@@ -119,6 +119,7 @@ class OptimSection(Section):
     lr: float = Field(default=1e-3, gt=0)
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(default=1e-8, gt=0)  # AdamW's epsilon (torch's default; MARFT's Table 5 uses 1e-5)
     grad_clip: float = 1.0
     # the lr over the run (docs/algorithms.md): constant, or a linear or cosine decay over train.max_versions to
     # min_lr_ratio x lr, after warmup_versions steps rising linearly to lr

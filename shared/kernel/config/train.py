@@ -18,8 +18,9 @@ class Objective(Section):
     # (verl's bypass mode). decoupled: decoupled PPO as AReaL implements it, the clip centred on the
     # proximal policy (the weights before the step) and pi_prox / mu as an importance weight.
     # marft: MARFT's action-level PPO against the central critic's GAE advantages (the `marft` section,
-    # docs/marft.md); for the whole run, set in train.loss.
-    loss: Literal["ppo_clip", "decoupled", "marft"] = "ppo_clip"
+    # docs/marft.md); for the whole run, set in train.loss. Any name registered in shared/rlmath/losses.py
+    # (register_policy_loss); `chorus check` and the trainer refuse one that is not.
+    loss: str = Field(default="ppo_clip", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
     loss_agg: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum"] = "seq-mean-token-mean"
     clip_eps: float = Field(default=0.2, gt=0.0, lt=1.0)
     # dual-clip: a negative-advantage token's loss is at most clip_ratio_c * |A| (null: off); verl's default 3
@@ -72,8 +73,11 @@ class MarftSection(Section):
     # agent-by-agent updates: the agent (in workflow order) whose policy version v trains is (v // interval) % n;
     # 0: every agent at every step. Only in the on-policy modes (train.mode sync or microbatch).
     agent_interval: int = Field(default=0, ge=0)
-    # the trust-region cut: a step whose approximate KL (k3, over its tokens) is above this is skipped; null: no cut
+    # the trust-region cut: a step whose approximate KL is above this is skipped; null: no cut
     kl_target: float | None = Field(default=0.02, gt=0)
+    # the cut's KL: action, k3 of each whole action's log-ratio averaged over the actions (the paper's listing);
+    # token, k3 of each token's log-ratio averaged over the tokens (about the action's value over its length)
+    kl_level: Literal["action", "token"] = "action"
     warmup: int = Field(default=0, ge=0)  # the first versions in which only the critic trains
     critic: CriticSection = Field(default_factory=CriticSection)
 
