@@ -7,7 +7,6 @@ import contextlib
 import os
 import sys
 import time
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
@@ -20,6 +19,14 @@ from shared.kernel.config import ChorusConfig, ConfigError, load_config
 from shared.kernel.logs import setup_logging
 from shared.kernel.subjects import SERVICES, Names
 from shared.launcher.progress import make_console
+from shared.launcher.views import (
+    act_table,
+    agent_table,
+    balance_table,
+    eval_record_table,
+    pool_table,
+    report_tables,
+)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Chorus: asynchronous multi-agent, multi-model LLM RL on NATS JetStream.")
@@ -282,8 +289,7 @@ def plot(
 ) -> None:
     """Plot reward, staleness and held-out scores per version (reward.png) and the loss's statistics
     (training.png) from a run's metrics.jsonl, and print the summary."""
-    from shared.launcher.supervisor import eval_table, summary_table
-    from shared.results.plotting import load_evals, plot_run, plot_training, summarize
+    from shared.results.plotting import plot_run, plot_training
 
     metrics = run_dir if run_dir.is_file() else run_dir / "metrics.jsonl"
     if not metrics.is_file():
@@ -299,10 +305,8 @@ def plot(
         console.print(f"wrote {plot_training(metrics, png.with_name(png.stem + '-training.png') if out else None)}")
     except ValueError as exc:
         console.print(f"[yellow]no training plot: {exc}")
-    console.print(summary_table(summarize(metrics)))
-    evals = load_evals(metrics)
-    if evals:
-        console.print(eval_table(evals))
+    for table in report_tables(metrics):
+        console.print(table)
 
 
 async def _status(cfg: ChorusConfig, url: str) -> RenderableType:
@@ -406,132 +410,6 @@ async def _service_metrics(nc: Any, names: Names, answers: list[dict[str, Any]],
     metas = [a.get("metadata") or {} for a in answers if a.get("name") == f"chorus-{service}"]
     replies = await asyncio.gather(*(ask(str(m.get("instance"))) for m in metas))
     return {i: r for i, r in replies if isinstance(r, dict)}
-
-
-def pool_table(metrics: Mapping[str, Mapping[str, Any]]) -> Table | None:
-    """The training pool (train.pool): per slot who holds it, held seconds and grants, then the swap's control and
-    data seconds and the bytes in host memory; None when the run has no pool."""
-    pools = {i: m["pool"] for i, m in metrics.items() if isinstance(m.get("pool"), Mapping) and "slots" in m["pool"]}
-    if not pools:
-        return None
-    t = Table(title="training pool: slots (held seconds); swaps: ctrl = process starts and builds, data = Set/Get copies")
-    for col in ("pool", "slot", "cores", "holder", "call", "held s", "grants", "starts", "waiting", "util",
-                "ctrl s", "data s", "sets/gets", "host MB", "disk MB"):
-        t.add_column(col, justify="left" if col in ("pool", "holder", "call", "waiting", "cores") else "right")
-    for instance, p in sorted(pools.items()):
-        swap = p.get("swap") if isinstance(p.get("swap"), Mapping) else {}
-        tail = (", ".join(p.get("waiting") or []) or "-", f"{p.get('utilisation', 0):.2f}",
-                f"{swap.get('control_s', 0):.2f}", f"{swap.get('data_s', 0):.2f}",
-                f"{_n(swap.get('sets'))}/{_n(swap.get('gets'))}", f"{p.get('resident_bytes', 0) / 2**20:.1f}",
-                f"{p.get('spilled_bytes', 0) / 2**20:.1f}")
-        for k, slot in enumerate(p.get("slots") or []):
-            t.add_row(instance if k == 0 else "", _n(slot.get("slot")), ",".join(map(str, slot.get("cores") or [])),
-                      str(slot.get("holder") or "-"), str(slot.get("call") or "-"), f"{slot.get('busy_s', 0):.1f}",
-                      _n(slot.get("grants")), _n(slot.get("starts")), *(tail if k == 0 else ("",) * len(tail)))
-    return t
-
-
-def act_table(metrics: Mapping[str, Mapping[str, Any]]) -> Table | None:
-    """The actions service: per instance its queue, busy cores and mean ACT per resource, then per action kind
-    the ACT (mean, p50, p99) split into queue, execution and overhead; None if no actions service answered."""
-    if not metrics:
-        return None
-    t = Table(title="actions: action completion time (ACT) = queue + execution + overhead, seconds")
-    for col in ("instance", "scheduler", "queue", "busy cores", "kind / resource", "n", "mean ACT", "p50", "p99",
-                "queue s", "exec s", "overhead s"):
-        t.add_column(col, justify="left" if col in ("instance", "scheduler", "kind / resource") else "right")
-
-    def f(v: object) -> str:
-        return f"{v:.3f}" if isinstance(v, int | float) and not isinstance(v, bool) else "-"
-
-    for instance, m in sorted(metrics.items()):
-        act = m.get("act") if isinstance(m.get("act"), Mapping) else {}
-        head = (instance, str(m.get("scheduler", "-")), _n(m.get("queue_len")),
-                f"{_n(m.get('busy_cores'))}/{_n(m.get('cores'))}")
-        resources = act.get("resources") if isinstance(act.get("resources"), Mapping) else {}
-        for r, v in sorted(resources.items()):
-            if isinstance(v, Mapping):
-                t.add_row(*head, f"resource {r}", _n(v.get("n")), f(v.get("mean")), "", "", "", "", "")
-                head = ("", "", "", "")
-        kinds = act.get("kinds") if isinstance(act.get("kinds"), Mapping) else {}
-        for k, v in sorted(kinds.items()):
-            if isinstance(v, Mapping):
-                t.add_row(*head, k, _n(v.get("n")), *(f(v.get(x)) for x in ("mean", "p50", "p99", "queue", "exec",
-                                                                              "overhead")))
-                head = ("", "", "", "")
-        if head[0]:
-            t.add_row(*head, "no action yet", "", "", "", "", "", "", "")
-    return t
-
-
-def balance_table(metrics: Mapping[str, Mapping[str, Any]]) -> Table | None:
-    """The coordinator's rollout manager: per model its queue length (requests waiting for an answer), per
-    instance its load (rows) and whether it takes requests; the caption has the counters and the last migration.
-    None if no coordinator answered or it does not balance."""
-    rows = []
-    captions = []
-    for coordinator, m in sorted(metrics.items()):
-        bal = m.get("balance")
-        if not isinstance(bal, Mapping):
-            continue
-        queues = bal.get("queues") if isinstance(bal.get("queues"), Mapping) else {}
-        instances = bal.get("instances") if isinstance(bal.get("instances"), Mapping) else {}
-        for model in sorted(set(queues) | set(instances)):
-            insts = instances.get(model) if isinstance(instances.get(model), Mapping) else {}
-            head = (coordinator, model, _n(queues.get(model)))
-            for name, v in sorted(insts.items()):
-                if isinstance(v, Mapping):
-                    rows.append((*head, name, _n(v.get("load")), _n(v.get("requests")),
-                                 "draining" if v.get("draining") else "routing"))
-                    head = ("", "", "")
-            if head[0]:
-                rows.append((*head, "none", "", "", ""))
-        counters = bal.get("counters") if isinstance(bal.get("counters"), Mapping) else {}
-        text = f"coordinator {coordinator} ({bal.get('dispatch', '?')}): " + ", ".join(
-            f"{k} {v}" for k, v in sorted(counters.items()))
-        migrations = bal.get("migrations")
-        if isinstance(migrations, list) and migrations and isinstance(migrations[-1], Mapping):
-            last = migrations[-1]
-            text += f"; last migration {last.get('instance')} {last.get('from')} -> {last.get('to')}"
-        captions.append(text)
-    if not rows:
-        return None
-    t = Table(title="rollout balancing (coordinator's rollout manager)")
-    for col in ("coordinator", "model", "queue", "instance", "load rows", "requests", "state"):
-        t.add_column(col, justify="left" if col in ("coordinator", "model", "instance", "state") else "right")
-    for r in rows:
-        t.add_row(*r)
-    t.caption = "; ".join(captions)
-    return t
-
-
-def agent_table(metrics: Mapping[str, Mapping[str, Any]]) -> Table | None:
-    """One row per (model, agent table) of mq's ``agents`` metrics; None if no mq reported."""
-    if not metrics:
-        return None
-    rows: list[tuple[str, str, Mapping[str, Any]]] = []
-    for model, m in sorted(metrics.items()):
-        agents = m.get("agents")
-        if isinstance(agents, Mapping):
-            rows.extend((model, str(a), c) for a, c in sorted(agents.items()) if isinstance(c, Mapping))
-    columns: list[str] = []  # data columns in the order mq reports them
-    for *_, c in rows:
-        filled = c.get("filled")
-        columns.extend(k for k in (filled if isinstance(filled, Mapping) else ()) if k not in columns)
-    t = Table(title="experience store tables (mq)")
-    for col in ("model", "agent", "held", "processing", "dispatchable", *columns):
-        t.add_column(col, justify="left" if col in ("model", "agent") else "right")
-    for model, agent, c in rows:
-        filled = c.get("filled") if isinstance(c.get("filled"), Mapping) else {}
-        t.add_row(model, agent, *(_n(c.get(k)) for k in ("held", "processing", "dispatchable")),
-                  *(_n(filled.get(k)) for k in columns))
-    t.caption = (f"{', '.join(columns)}: rows with that column filled" if columns else "") if rows else \
-        f"no rows held by the mq of {', '.join(sorted(metrics))}"
-    return t
-
-
-def _n(v: object) -> str:
-    return str(v) if isinstance(v, int) and not isinstance(v, bool) else "-"
 
 
 def _v(v: int) -> str:
@@ -973,22 +851,7 @@ def eval_command(
         out = (run_dir / f"eval-{split}-{label}.json" if run_dir is not None
                else cfg.run.dir / "eval" / f"{cfg.run.id}-{split}-{label}.json")
     write_record(out, record)
-    table = Table(title=f"chorus eval: {len(todo)} {split} tasks, {label}")
-    table.add_column("metric")
-    table.add_column("value", justify="right")
-    table.add_row("pass@1 (final answer)", f"{record['final']:.4f}")
-    for agent, value in sorted((record.get("pass1") or {}).items()):
-        table.add_row(f"pass@1 {agent}", f"{value:.4f}")
-    for k, value in sorted(((record.get("pass_at_k") or {}).get("final") or {}).items(), key=lambda kv: int(kv[0])):
-        if k != "1":
-            table.add_row(f"pass@{k}", f"{value:.4f}")
-    if record.get("maj") is not None:
-        table.add_row("maj@n", str(record.get("maj")))
-    table.add_row("failed tasks", str(record["failed"]))
-    table.add_row("tokens generated", f"{record['tokens_total']:,}")
-    table.add_row("tokens/s", f"{record['tokens_per_s']:.1f}")
-    table.add_row("time", f"{record['seconds']:.1f} s")
-    console.print(table)
+    console.print(eval_record_table(record, len(todo), split, label))
     console.print(f"pass@1 {record['final']:.4f} on {len(todo)} tasks in {record['seconds']:.1f} s; wrote {out}",
                   highlight=False)
 

@@ -27,7 +27,6 @@ from nats.errors import Error as NatsError
 from nats.js.kv import KeyValue
 from rich.console import Console
 from rich.live import Live
-from rich.table import Table
 
 from shared.kernel.bus import connect, ensure_run, kv_get_int
 from shared.kernel.codec import DecodeError, decode_json
@@ -41,8 +40,9 @@ from shared.launcher.localauth import LocalAuth
 from shared.launcher.natsserver import NatsServer
 from shared.launcher.progress import ProgressView, RunTracker, make_console
 from shared.launcher.runfiles import write_summary
+from shared.launcher.views import eval_line, report_tables
 from shared.models.loading import smollm2_dir_if_ready
-from shared.results.plotting import eval_table_rows, load_evals, plot_run, plot_training, summarize
+from shared.results.plotting import plot_run, plot_training
 
 STOP_GRACE_S = 20.0
 DRAIN_GRACE_S = 10.0  # the coordinator finishes the episodes in hand before it stops
@@ -607,48 +607,5 @@ def _report(run_dir: Path, console: Console) -> None:
         console.print(f"training plot: {plot_training(metrics, run_dir / 'training.png')}")
     except ValueError as exc:
         console.print(f"[yellow]no plot: {exc}")
-    console.print(summary_table(summarize(metrics)))
-    evals = load_evals(metrics)
-    if evals:
-        console.print(eval_table(evals))
-
-
-def eval_line(ev: dict[str, Any]) -> str:
-    """One evaluation as a progress line: ``held-out pass@1 at version 20: final answer 0.417 (solver 0.417, ...)``,
-    then Maj@N and the tokens per question when the record has them."""
-    pass1 = ev.get("pass1")
-    agents = ", ".join(f"{a} {v:.3f}" for a, v in pass1.items() if isinstance(v, int | float)) \
-        if isinstance(pass1, dict) else ""
-    final = ev.get("final")
-    final_text = f"{final:.3f}" if isinstance(final, int | float) else "?"
-    n = ev.get("samples", 1)
-    line = f"held-out pass@1{f' (mean of {n})' if isinstance(n, int) and n > 1 else ''} at version " \
-           f"{ev.get('version')}: final answer {final_text}" + (f" ({agents})" if agents else "")
-    maj = ev.get("maj")
-    if isinstance(n, int) and n > 1 and isinstance(maj, dict) and isinstance(maj.get("final"), int | float):
-        line += f"; Maj@{n} {maj['final']:.3f}"
-    tokens = ev.get("tokens_per_question")
-    if isinstance(tokens, dict) and isinstance(tokens.get("total"), int | float):
-        line += f"; {tokens['total']:.1f} tokens per question"
-    return line
-
-
-def eval_table(evals: list[dict[str, Any]]) -> Table:
-    first, last = evals[0], evals[-1]
-    n = last.get("samples", 1)
-    what = "held-out pass@1" + (f" (mean of {n} samples)" if isinstance(n, int) and n > 1 else "")
-    t = Table(title=f"{what} ({first.get('n', '?')} tasks): version {first['version']} -> {last['version']}")
-    for col in ("", "before", "after", "delta"):
-        t.add_column(col, justify="left" if not col else "right")
-    for row, a, b in eval_table_rows(evals):
-        t.add_row(row, f"{a:.3f}", f"{b:.3f}", f"{b - a:+.3f}")
-    return t
-
-
-def summary_table(summary: dict[str, dict[str, float]]) -> Table:
-    t = Table(title="reward per model (mean reward_mean of the first / last 20% of steps)")
-    for col in ("model", "steps", "first 20%", "last 20%", "delta"):
-        t.add_column(col, justify="left" if col == "model" else "right")
-    for model, s in summary.items():
-        t.add_row(model, str(int(s["steps"])), f"{s['first']:.3f}", f"{s['last']:.3f}", f"{s['delta']:+.3f}")
-    return t
+    for table in report_tables(metrics):
+        console.print(table)

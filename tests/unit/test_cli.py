@@ -24,11 +24,11 @@ from shared.launcher.supervisor import (
     ChildSpec,
     Restarts,
     Supervisor,
-    eval_line,
     plan_services,
     resolve_run,
     unique_run_id,
 )
+from shared.launcher.views import eval_line
 from shared.results.plotting import summarize
 from tests.waits import wait_until, wait_until_sync
 
@@ -419,7 +419,7 @@ def _table_rows(text: str) -> list[list[str]]:
 
 
 def test_status_table_has_one_row_per_model_and_agent_table() -> None:
-    from shared.launcher.cli import agent_table
+    from shared.launcher.views import agent_table
 
     filled = {"prompt": 5, "response": 4, "reward": 3, "advantage": 2}
     metrics = {
@@ -441,7 +441,7 @@ def test_status_table_has_one_row_per_model_and_agent_table() -> None:
 
 
 def test_status_balance_table_shows_queues_instances_and_the_last_migration() -> None:
-    from shared.launcher.cli import balance_table
+    from shared.launcher.views import balance_table
 
     metrics = {"0": {"balance": {
         "dispatch": "least_loaded", "queues": {"a": 7, "b": 1},
@@ -463,7 +463,7 @@ def test_status_balance_table_shows_queues_instances_and_the_last_migration() ->
 
 
 def test_status_pool_table_shows_each_slots_holder_and_the_swap_costs() -> None:
-    from shared.launcher.cli import pool_table
+    from shared.launcher.views import pool_table
 
     pool = {"slots": [{"slot": 0, "holder": "a", "call": "micro_batch", "busy_s": 12.5, "grants": 9, "cores": [0],
                        "starts": 1},
