@@ -5,31 +5,27 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 import time
-import uuid
-from collections.abc import Callable
 from typing import Any
 
 import nats.errors
 from nats.aio.msg import Msg
 
 from services.coordinator.admission import Admission, BatchGate, Pacer, expected_samples
+from services.coordinator.clients import MAX_ATTEMPTS, RequestClient, backoff
 from services.coordinator.evaluation import evaluate
 from services.coordinator.failures import FailureLog, error_key, root_cause
 from services.coordinator.generated import GeneratedTokens
 from services.coordinator.keepbest import BestKeeper
 from services.coordinator.marft import apply_gae, critic_rows, rollouts
-from services.coordinator.routing import NoInstance, RolloutRouter
+from services.coordinator.routing import RolloutRouter
 from services.coordinator.samples import SampleWriter, dumps, episode_records
 from services.coordinator.tasks import Task, TaskSource, heldout_tasks
 from services.coordinator.workflows import (
     Abandon,
     Episode,
-    GenResult,
     Stopping,
     Tokenizers,
-    WorkflowError,
     WorkflowTimeout,
     run_episode,
     workflow_of,
@@ -39,27 +35,19 @@ from shared.kernel.bus import kv_get_int
 from shared.kernel.codec import DecodeError, decode, decode_json_as, encode
 from shared.kernel.config import ChorusConfig, ConfigError
 from shared.kernel.logs import append_line
-from shared.kernel.peers import NotAccepted, PeerGone, ReplyMux
+from shared.kernel.peers import ReplyMux
 from shared.kernel.schemas import (
-    ActionRequest,
-    ActionResult,
-    Array,
     CriticBatch,
     CriticRequest,
     CriticValues,
     DepthReport,
-    GenRequest,
-    GenResponse,
     SyncDone,
 )
 from shared.kernel.service import EX_RUN_FAILED, Service
 from shared.results.plotting import last_generated
 from shared.results.tracking import EVAL_TRACKER, Trackers
 
-MAX_ATTEMPTS = 8
-NOBODY_WARN_S = 30.0  # a request nobody has served this long is logged (then every 30 s more)
 PUBLISH_ACK_TIMEOUT_S = 10.0  # a sample's PubAck; then it is sent again
-BACKOFF_MAX_S = 5.0
 POLL_S = 0.05  # backpressure / budget re-check period
 VERSION_POLL_S = 0.2
 DRAIN_S = 20.0
@@ -81,10 +69,6 @@ def _failed(exc: BaseException) -> asyncio.Future[Any]:
     fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
     fut.set_exception(exc)
     return fut
-
-
-class RetryableError(Exception):
-    """An error reply or malformed answer; the request is idempotent, so it is sent again."""
 
 
 class CoordinatorService(Service):
@@ -115,6 +99,8 @@ class CoordinatorService(Service):
         self.tokenizers = Tokenizers(cfg)
         for m in sorted({*self.models, *([cfg.agents[cfg.reward.judge].model] if cfg.reward.judge else [])}):
             await self.tokenizers.get(m)
+        # generation, action and critic requests, with their timeouts and retries (services/coordinator/clients.py)
+        self.client = RequestClient(self, self.mux, self.router, self.tokenizers, self.log)
         self.admission = Admission(self.models, cfg.train.max_versions,
                                    stale_after_s=max(5.0, 10 * cfg.mq.report_interval_s))
         # sync / microbatch: one global batch of tasks per version; async: AReaL's staleness capacity per model.
@@ -317,7 +303,7 @@ class CoordinatorService(Service):
         served = dict(self.served)
         generated = self.generated.tokens  # the training tokens behind the weights about to be scored
         staged = await self.best.stage(served)  # the weights about to be scored, in case they are the best
-        rec = await evaluate(self.cfg, self.heldout, self.workflow, self._generate, self._act,
+        rec = await evaluate(self.cfg, self.heldout, self.workflow, self.client.generate, self.client.act,
                              lambda: dict(self.served), self.tokenizers,
                              on_episode=lambda ep: self._sample(ep, eval=True))
         rec["last"] = final
@@ -386,8 +372,8 @@ class CoordinatorService(Service):
             self.in_flight += 1
             ep: Episode | None = None
             try:
-                ep = await run_episode(self.cfg, task, env_idx, self.workflow, self._generate, self._act,
-                                       lambda: dict(self.served), self.tokenizers)
+                ep = await run_episode(self.cfg, task, env_idx, self.workflow, self.client.generate,
+                                       self.client.act, lambda: dict(self.served), self.tokenizers)
             except Stopping as exc:  # the run ends (or this coordinator shuts down) with the task in flight
                 self.counters["tasks_left_stopping"] += 1
                 self.log.info("task left: the coordinator is stopping", task=task.task_id, error=str(exc))
@@ -530,7 +516,7 @@ class CoordinatorService(Service):
         samples = [s for ro in layout for s in ro.samples]
         rows = critic_rows(samples, self.cfg.marft.variant)
         data = encode(CriticRequest(rows=rows))
-        reply = await self._request(self.names.critic_values(), data, CRITIC_TIMEOUT_S, "critic")
+        reply = await self.client.request(self.names.critic_values(), data, CRITIC_TIMEOUT_S, "critic")
         try:
             answer = decode(CriticValues, reply)
         except DecodeError as exc:
@@ -565,7 +551,7 @@ class CoordinatorService(Service):
             except (nats.errors.Error, TimeoutError) as exc:
                 self.counters["critic_publish_retries"] += 1
                 self.log.warning("critic samples publish failed", error=f"{type(exc).__name__}: {exc}")
-            await asyncio.sleep(self._backoff(attempt))
+            await asyncio.sleep(backoff(attempt))
         self.counters["critic_samples_lost"] += len(batch.samples)
         self.log.error("critic samples not published after retries", batch=batch.batch_id)
 
@@ -594,144 +580,13 @@ class CoordinatorService(Service):
             first = next(r for r in results if isinstance(r, BaseException))
             self.log.warning("sample publish failed", count=len(failed), error=f"{type(first).__name__}: {first}")
             pending = failed
-            await asyncio.sleep(self._backoff(attempt))
+            await asyncio.sleep(backoff(attempt))
         self.counters["samples_lost"] += len(pending)
         self.log.error("samples not published after retries", task=ep.task.task_id, count=len(pending))
 
     # --- requests -----------------------------------------------------------------------
-    @staticmethod
-    def _backoff(attempt: int) -> float:
-        return min(BACKOFF_MAX_S, 0.1 * 2**attempt) * random.uniform(0.5, 1.0)
-
-    async def _request(self, subject: str, data: bytes | Callable[[], bytes], timeout_s: float, what: str) -> bytes:
-        """Request with retries and backoff on timeout / a dead instance; raises Abandon when it gives up. Nobody
-        subscribed (the services still loading their models, all of them restarting) and this coordinator's own
-        connection down are waited out, not counted as attempts. ``data`` may be made anew for each attempt (a
-        generation request carries its deadline)."""
-        attempt = 0
-        waiting = 0.0  # since when nobody has answered (no responders)
-        while attempt < MAX_ATTEMPTS:
-            t0 = time.monotonic()
-            try:
-                return await self.mux.request(subject, data() if callable(data) else data, timeout_s)
-            except nats.errors.NoRespondersError:
-                self.counters[f"{what}_no_responders"] += 1
-                waiting = waiting or t0
-                if time.monotonic() - waiting > NOBODY_WARN_S:
-                    self.log.warning("nobody serves this subject yet; waiting", subject=subject,
-                                     seconds=round(time.monotonic() - waiting))
-                    waiting = time.monotonic()
-                if self.stopping:
-                    raise Stopping(f"{what} request to {subject} left: the coordinator is stopping") from None
-                await asyncio.sleep(self._backoff(min(attempt + 3, 6)))
-                continue
-            except PeerGone:
-                self.counters[f"{what}_peer_gone"] += 1
-            except NotAccepted:
-                self.counters[f"{what}_not_accepted"] += 1
-            except (nats.errors.TimeoutError, TimeoutError):
-                self.counters[f"{what}_timeouts"] += 1
-            except nats.errors.Error as exc:
-                if self.stopping or self.nc.is_closed or self.nc.is_draining:
-                    raise Stopping(f"{what} request left: the coordinator is stopping "
-                                   f"({type(exc).__name__}: {exc})") from exc
-                self.counters[f"{what}_connection_errors"] += 1  # reconnecting: wait and try again
-            if self.stopping:
-                raise Stopping(f"{what} request to {subject} left: the coordinator is stopping")
-            if self.link_dropped_since(t0):  # this side of the network failed, not the peer: not an attempt
-                self.counters[f"{what}_waits_for_link"] += 1
-                await self.wait_link(self.link_settle_s)
-                continue
-            self.counters[f"{what}_retries"] += 1
-            await asyncio.sleep(self._backoff(attempt))
-            attempt += 1
-        raise Abandon(f"{what} request to {subject} got no answer after {attempt} attempts")
-
     @property
     def link_settle_s(self) -> float:
         """After this coordinator's own connection came back: the time the rollouters' load reports take to list
         them again (those missed while it was away expired them)."""
         return self.cfg.balance.report_interval_s * (self.cfg.balance.misses + 1)
-
-    async def _generate(self, model: str, adapter: str | None, prompts: list[list[int]], *,
-                        max_new_tokens: int, temperature: float, top_p: float,
-                        stop: list[str] | None = None) -> list[GenResult]:
-        req = GenRequest(request_id=uuid.uuid4().hex, prompts=[Array.of(p, "int32") for p in prompts],
-                         max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, adapter=adapter,
-                         stop_ids=[(await self.tokenizers.get(model)).eos_id], stop=stop or [])
-        timeout_s = self.cfg.models[model].rollouter.request_timeout_s
-
-        def data() -> bytes:
-            return encode(req.model_copy(update={"deadline": time.time() + timeout_s}))
-
-        for attempt in range(MAX_ATTEMPTS):
-            t0 = time.monotonic()
-            raw = await self._gen_request(model, len(prompts), data, timeout_s)
-            try:
-                resp = decode(GenResponse, raw)
-                if resp.error and resp.error.startswith("rejected:"):
-                    # the request itself is wrong for this model (a prompt longer than its context, ids outside
-                    # its vocabulary): the same request would be rejected again, so it is the workflow's error
-                    self.counters["gen_rejected"] += 1
-                    raise WorkflowError(f"the rollouter of {model} {resp.error}")
-                if resp.error:
-                    raise RetryableError(f"rollouter error: {resp.error}")
-                if len(resp.outputs) != len(prompts):
-                    raise RetryableError(f"{len(resp.outputs)} outputs for {len(prompts)} prompts")
-            except (DecodeError, RetryableError) as exc:
-                self.counters["gen_error_replies"] += 1
-                self.counters["gen_retries"] += 1
-                self.log.warning("bad generation reply", model=model, error=str(exc))
-                if self.stopping:
-                    raise Stopping(f"generation for {model} left: the coordinator is stopping") from exc
-                await asyncio.sleep(self._backoff(attempt))
-                continue
-            seconds = time.monotonic() - t0
-            self.counters["gen_requests"] += 1
-            return [GenResult(ids=o.ids.tolist(), logprobs=o.logprobs.tolist(), finished=o.finish == "stop",
-                              version=resp.version, seconds=seconds,
-                              token_versions=None if o.versions is None else o.versions.tolist())
-                    for o in resp.outputs]
-        raise Abandon(f"generation for {model} failed after retries")
-
-    async def _gen_request(self, model: str, rows: int, data: Callable[[], bytes], timeout_s: float) -> bytes:
-        """To the least-loaded instance of the model (balance.dispatch least_loaded, when one is known), else to the
-        model's queue group."""
-        if self.cfg.balance.dispatch == "least_loaded":
-            try:
-                return await self.router.request(model, rows, data, timeout_s)
-            except NoInstance:
-                self.counters["gen_unrouted"] += 1  # none known yet (starting up): NATS picks one
-            except TimeoutError as exc:
-                raise Abandon(str(exc)) from exc
-        return await self._request(self.names.gen(model), data, timeout_s, "gen")
-
-    async def _act(self, kind: str, payloads: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        acfg = self.cfg.actions
-        req = ActionRequest(action_id=uuid.uuid4().hex, kind=kind, payloads=payloads, timeout_s=acfg.timeout_s)
-        data = encode(req)
-        # Actions queue FCFS behind other tasks' checks: allow for a full queue of timeouts.
-        timeout_s = acfg.timeout_s * (1 + -(-len(payloads) // acfg.cores)) + 10.0
-        for attempt in range(MAX_ATTEMPTS):
-            raw = await self._request(self.names.actions_submit(), data, timeout_s, "act")
-            try:
-                result = decode(ActionResult, raw)
-                if result.error:
-                    raise RetryableError(f"actions error: {result.error}")
-                if len(result.results) != len(payloads):
-                    raise RetryableError(f"{len(result.results)} results for {len(payloads)} payloads")
-            except (DecodeError, RetryableError) as exc:
-                self.counters["act_error_replies"] += 1
-                self.counters["act_retries"] += 1
-                self.log.warning("bad actions reply", kind=kind, error=str(exc))
-                if self.stopping:
-                    raise Stopping(f"{kind} actions left: the coordinator is stopping") from exc
-                await asyncio.sleep(self._backoff(attempt))
-                continue
-            failed = sum(e is not None for e in result.errors)
-            if failed:
-                self.counters["act_row_errors"] += failed  # those rows score 0 (a reward function's: dropped)
-                return [{**r, "action_error": e} if e is not None else r
-                        for r, e in zip(result.results, result.errors, strict=False)]
-            return result.results
-        raise Abandon(f"{kind} actions failed after retries")
