@@ -51,25 +51,23 @@ class BatchStats:
         return self.tokens / self.busy_s if self.busy_s > 0 else 0.0
 
 
-class Batcher:
-    """Queue + window + single worker thread around a :class:`TorchEngine`."""
+class EngineQueue:
+    """The request queue in front of one engine and its single worker thread: what both batchers share (submit,
+    pause and resume, drain, flush, failing the queue, calls on the worker thread between generations)."""
 
-    def __init__(self, engine: TorchEngine, executor: Executor, *, max_batch: int, window_s: float,
-                 request_timeout_s: float) -> None:
+    def __init__(self, engine: Any, executor: Executor, *, max_batch: int, request_timeout_s: float) -> None:
         self.engine = engine
         self.executor = executor
         self.max_batch = max_batch
-        self.window_s = window_s
         self.request_timeout_s = request_timeout_s
         self.stats = BatchStats()
         self._queue: deque[Job] = deque()
         self._work = asyncio.Event()
         self._admitting = asyncio.Event()
         self._admitting.set()
-        self._idle = asyncio.Event()
+        self._idle = asyncio.Event()  # no request in flight
         self._idle.set()
-        self.in_flight = 0  # requests handed to the worker thread and not answered yet
-        self.rows_in_flight = 0
+        self.in_flight = 0  # requests handed to the engine and not answered yet
 
     # --- state ---------------------------------------------------------------------------
     @property
@@ -82,15 +80,25 @@ class Batcher:
 
     def submit(self, prompts: list[list[int]], params: SamplingParams,
                adapter: str | None = None) -> asyncio.Future[tuple[int, list[GenResult]]]:
-        """Queue a request; the future resolves to (version, one result per prompt).
+        """Queue a request; the future resolves to (version, one result per prompt): the weights' version, or the
+        oldest version among the tokens of a continuous engine's answer.
 
-        An adapter the engine lacks raises :class:`UnknownAdapter` here, so it never fails a merged batch.
+        An adapter the engine lacks raises :class:`UnknownAdapter` here, so it never fails a merged batch; a request
+        :meth:`_refused` fails its future at once.
         """
         self.engine.check_adapter(adapter)
         fut: asyncio.Future[tuple[int, list[GenResult]]] = asyncio.get_running_loop().create_future()
+        refused = self._refused(prompts, params)
+        if refused is not None:
+            fut.set_exception(refused)
+            return fut
         self._queue.append(Job(prompts, params, fut, adapter))
         self._work.set()
         return fut
+
+    def _refused(self, prompts: list[list[int]], params: SamplingParams) -> Exception | None:
+        """Why a request can never be served (None: it can)."""
+        return None
 
     def pause(self) -> None:
         """Stop admitting new work; queued requests wait for :meth:`resume`."""
@@ -99,10 +107,14 @@ class Batcher:
     def resume(self) -> None:
         self._admitting.set()
 
+    def _drained(self) -> asyncio.Event:
+        """The event :meth:`drain` waits for."""
+        return self._idle
+
     async def drain(self, timeout_s: float) -> bool:
         """Wait until nothing is in flight; False on timeout."""
         try:
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
+            await asyncio.wait_for(self._drained().wait(), timeout_s)
             return True
         except TimeoutError:
             return False
@@ -131,8 +143,39 @@ class Batcher:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn)
 
     async def load(self, fn: Callable[[], T], timeout_s: float = 600.0) -> T:
-        """A weight load: between two batches, so no answer mixes versions."""
+        """A weight load: between two generations, so no answer mixes versions."""
         return await self.exclusive(fn)
+
+    # --- queue ---------------------------------------------------------------------------
+    def _rows_queued(self) -> int:
+        return sum(len(j.prompts) for j in self._queue)
+
+    def _head(self, now: float) -> Job | None:
+        """The first queued request still wanted, or None: requests given up (cancelled) are dropped from the head,
+        requests that waited longer than ``request_timeout_s`` are failed with :class:`RequestExpired`."""
+        while self._queue:
+            job = self._queue[0]
+            if job.future.done():  # requester gave up (cancelled)
+                self._queue.popleft()
+                continue
+            if now - job.enqueued_at > self.request_timeout_s:
+                self._queue.popleft()
+                self.stats.expired += 1
+                job.future.set_exception(RequestExpired(
+                    f"request waited {now - job.enqueued_at:.1f}s in the queue (limit {self.request_timeout_s}s)"))
+                continue
+            return job
+        return None
+
+
+class Batcher(EngineQueue):
+    """Queue + window + single worker thread around a :class:`TorchEngine`."""
+
+    def __init__(self, engine: TorchEngine, executor: Executor, *, max_batch: int, window_s: float,
+                 request_timeout_s: float) -> None:
+        super().__init__(engine, executor, max_batch=max_batch, request_timeout_s=request_timeout_s)
+        self.window_s = window_s
+        self.rows_in_flight = 0
 
     # --- loop ----------------------------------------------------------------------------
     async def run(self) -> None:
@@ -165,25 +208,12 @@ class Batcher:
         """What the rollout manager balances on: rows waiting in the queue, rows generating, tokens in flight."""
         return {"queued_rows": self._rows_queued(), "running_rows": self.rows_in_flight, "tokens": 0}
 
-    def _rows_queued(self) -> int:
-        return sum(len(j.prompts) for j in self._queue)
-
     def _take(self) -> list[Job]:
         """Whole requests up to ``max_batch`` rows (at least one request); expired ones are failed."""
         jobs: list[Job] = []
         rows = 0
         now = time.monotonic()
-        while self._queue:
-            job = self._queue[0]
-            if job.future.done():  # requester gave up (cancelled)
-                self._queue.popleft()
-                continue
-            if now - job.enqueued_at > self.request_timeout_s:
-                self._queue.popleft()
-                self.stats.expired += 1
-                job.future.set_exception(RequestExpired(
-                    f"request waited {now - job.enqueued_at:.1f}s in the queue (limit {self.request_timeout_s}s)"))
-                continue
+        while (job := self._head(now)) is not None:
             if jobs and rows + len(job.prompts) > self.max_batch:
                 break
             jobs.append(self._queue.popleft())
@@ -243,7 +273,7 @@ class RowJob:
     remaining: int
 
 
-class ContinuousBatcher:
+class ContinuousBatcher(EngineQueue):
     """Requests in, rows of a :class:`~services.rollouter.continuous.ContinuousEngine` out, one step at a time.
 
     Every engine step and every weight load runs on the one worker thread, so a step never sees two weight
@@ -259,52 +289,23 @@ class ContinuousBatcher:
 
     def __init__(self, engine: Any, executor: Executor, *, max_batch: int, request_timeout_s: float,
                  on_sync: str = "drain") -> None:
-        self.engine = engine
-        self.executor = executor
-        self.max_batch = max_batch
-        self.request_timeout_s = request_timeout_s
+        super().__init__(engine, executor, max_batch=max_batch, request_timeout_s=request_timeout_s)
         self.on_sync = on_sync
-        self.stats = BatchStats()
-        self._queue: deque[Job] = deque()
-        self._work = asyncio.Event()
-        self._admitting = asyncio.Event()
-        self._admitting.set()
-        self._idle = asyncio.Event()  # no request in the engine
-        self._idle.set()
         self._between = asyncio.Event()  # no step running
         self._between.set()
         self._jobs: dict[int, RowJob] = {}
-        self.in_flight = 0  # requests in the engine and not answered yet
         self.interrupted = 0  # syncs that found rows mid-generation (interrupt mode)
         self.mixed_answers = 0  # answers whose tokens carry more than one version
 
     # --- state ---------------------------------------------------------------------------
-    @property
-    def queued(self) -> int:
-        return len(self._queue)
-
-    @property
-    def paused(self) -> bool:
-        return not self._admitting.is_set()
-
-    def submit(self, prompts: list[list[int]], params: SamplingParams,
-               adapter: str | None = None) -> asyncio.Future[tuple[int, list[GenResult]]]:
-        """Queue a request; the future resolves to (oldest token version, one result per prompt).
-
-        An adapter the engine lacks raises :class:`UnknownAdapter` here; a row over the KV budget fails the
-        future at once (it could never start).
-        """
-        self.engine.check_adapter(adapter)
-        fut: asyncio.Future[tuple[int, list[GenResult]]] = asyncio.get_running_loop().create_future()
+    def _refused(self, prompts: list[list[int]], params: SamplingParams) -> Exception | None:
+        """A row over the KV budget: it could never start."""
         try:
             for p in prompts:
                 self.engine.check_fits(len(p), params)
         except ValueError as exc:
-            fut.set_exception(exc)
-            return fut
-        self._queue.append(Job(prompts, params, fut, adapter))
-        self._work.set()
-        return fut
+            return exc
+        return None
 
     def pause(self) -> None:
         """Stop starting requests (and, in interrupt mode, stop stepping at the next boundary)."""
@@ -316,36 +317,9 @@ class ContinuousBatcher:
         self._admitting.set()
         self._work.set()
 
-    async def drain(self, timeout_s: float) -> bool:
-        """drain mode: wait until no request is in the engine; interrupt mode: until no step runs."""
-        event = self._between if self.on_sync == "interrupt" else self._idle
-        try:
-            await asyncio.wait_for(event.wait(), timeout_s)
-            return True
-        except TimeoutError:
-            return False
-
-    async def flush(self, timeout_s: float) -> bool:
-        """Wait until the queue is empty and nothing is in flight (used on shutdown)."""
-        deadline = time.monotonic() + timeout_s
-        while self._queue or self.in_flight:
-            if time.monotonic() > deadline or (self.paused and not self.in_flight):
-                return False
-            await asyncio.sleep(0.01)
-        return True
-
-    def fail_queued(self, exc: BaseException) -> int:
-        n = 0
-        while self._queue:
-            job = self._queue.popleft()
-            if not job.future.done():
-                job.future.set_exception(exc)
-                n += 1
-        return n
-
-    async def exclusive(self, fn: Callable[[], T]) -> T:
-        """Run ``fn`` on the engine's worker thread, between two steps."""
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn)
+    def _drained(self) -> asyncio.Event:
+        """drain mode: no request is in the engine; interrupt mode: no step runs."""
+        return self._between if self.on_sync == "interrupt" else self._idle
 
     async def load(self, fn: Callable[[], T], timeout_s: float = 600.0) -> T:
         """Run a weight load: in drain mode once the running rows are done (no answer mixes versions), in
@@ -399,17 +373,7 @@ class ContinuousBatcher:
         rows: list[Any] = []
         now = time.monotonic()
         room = self.max_batch - self.engine.rows_in_flight
-        while self._queue and room > 0:
-            job = self._queue[0]
-            if job.future.done():
-                self._queue.popleft()
-                continue
-            if now - job.enqueued_at > self.request_timeout_s:
-                self._queue.popleft()
-                self.stats.expired += 1
-                job.future.set_exception(RequestExpired(
-                    f"request waited {now - job.enqueued_at:.1f}s in the queue (limit {self.request_timeout_s}s)"))
-                continue
+        while room > 0 and (job := self._head(now)) is not None:
             self._queue.popleft()
             key = id(job)
             self._jobs[key] = RowJob(job, [None] * len(job.prompts), len(job.prompts))
@@ -463,7 +427,7 @@ class ContinuousBatcher:
         """What the rollout manager balances on: rows waiting in the queue, rows in the engine (running or admitted
         and waiting for a slot), the KV tokens they reserve."""
         e = self.engine
-        return {"queued_rows": sum(len(j.prompts) for j in self._queue), "running_rows": len(e.running) + len(e.waiting),
+        return {"queued_rows": self._rows_queued(), "running_rows": len(e.running) + len(e.waiting),
                 "tokens": int(e.reserved)}
 
     def snapshot(self) -> dict[str, Any]:
