@@ -44,6 +44,14 @@ class RetryableError(Exception):
     """An error reply or malformed answer; the request is idempotent, so it is sent again."""
 
 
+def _check(error: str | None, source: str, got: int, got_what: str, asked: int, asked_what: str) -> None:
+    """Raise RetryableError for an error reply or one whose row count is not the request's."""
+    if error:
+        raise RetryableError(f"{source} error: {error}")
+    if got != asked:
+        raise RetryableError(f"{got} {got_what} for {asked} {asked_what}")
+
+
 class Host(Protocol):
     """What the clients need of the service that owns them."""
 
@@ -159,10 +167,7 @@ class RequestClient:
                 # its vocabulary): the same request would be rejected again, so it is the workflow's error
                 self.host.counters["gen_rejected"] += 1
                 raise WorkflowError(f"the rollouter of {model} {resp.error}")
-            if resp.error:
-                raise RetryableError(f"rollouter error: {resp.error}")
-            if len(resp.outputs) != len(prompts):
-                raise RetryableError(f"{len(resp.outputs)} outputs for {len(prompts)} prompts")
+            _check(resp.error, "rollouter", len(resp.outputs), "outputs", len(prompts), "prompts")
             return resp
 
         resp, seconds = await self._replied("gen", f"generation for {model}",
@@ -196,10 +201,7 @@ class RequestClient:
 
         def parse(raw: bytes) -> ActionResult:
             result = decode(ActionResult, raw)
-            if result.error:
-                raise RetryableError(f"actions error: {result.error}")
-            if len(result.results) != len(payloads):
-                raise RetryableError(f"{len(result.results)} results for {len(payloads)} payloads")
+            _check(result.error, "actions", len(result.results), "results", len(payloads), "payloads")
             return result
 
         result, _ = await self._replied("act", f"{kind} actions",
