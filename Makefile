@@ -138,6 +138,7 @@ soak: venv
 lint: venv
 	$(BIN)/ruff check shared services tests loadtests
 	$(BIN)/lint-imports --no-cache
+	$(BIN)/mypy services/trainer services/rollouter
 
 bench: venv
 	$(BIN)/python loadtests/bus_throughput.py

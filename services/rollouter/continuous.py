@@ -214,9 +214,10 @@ class ContinuousEngine(Stepwise):
         self.rows_generated = 0
         self.tokens_generated = 0
         lm = self.inner
-        self.body = lm.model
-        self.layers = list(self.body.layers)
-        self.lm_head = lm.get_output_embeddings()
+        # the decoder's parts, reached by the names Hugging Face gives them (untyped for torch)
+        self.body: Any = lm.model
+        self.layers: list[Any] = list(self.body.layers)
+        self.lm_head: Any = lm.get_output_embeddings()
         self.vocab_size = int(self.lm_head.weight.shape[0])
         self.context = context_length(lm)
         cfg = lm.config
@@ -387,7 +388,7 @@ class ContinuousEngine(Stepwise):
     # --- the network --------------------------------------------------------------------------
     def _plan_choices(self) -> None:
         """Measure (or find cached) the kernel plan of every plain ``nn.Linear`` the engine multiplies by."""
-        named: list[tuple[str, torch.nn.Module]] = []
+        named: list[tuple[str, Any]] = []
         for layer in self.layers:
             for part in (layer.self_attn, layer.mlp):
                 for name in PROJECTIONS:
@@ -402,8 +403,9 @@ class ContinuousEngine(Stepwise):
         # What a forward pass of t positions costs in matrix products, t = 1..PLAN_ROWS, from the plan's own
         # timings (every projection of every layer and the head): the price of a draft on this CPU.
         costs = [self.kernels.cost(m.weight) for _, m in named]
-        if costs and all(c is not None for c in costs):
-            self._step_cost: list[float] | None = [sum(c[t] for c in costs) for t in range(len(costs[0]))]
+        known = [c for c in costs if c is not None]
+        if costs and len(known) == len(costs):
+            self._step_cost: list[float] | None = [sum(c[t] for c in known) for t in range(len(known[0]))]
             self._gap = 2.0 * self._step_cost[1]  # until steps are observed: streaming the weights, about 3x
         else:
             self._step_cost = None
@@ -415,13 +417,13 @@ class ContinuousEngine(Stepwise):
         padded to r rows; empty on CUDA or with the plan off."""
         return self.kernels.summary()
 
-    def _linear(self, x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
+    def _linear(self, x: torch.Tensor, layer: Any) -> torch.Tensor:
         """``layer(x)`` for a plain ``nn.Linear`` the way the kernel plan says for ``x``'s row count."""
         if type(layer) is not torch.nn.Linear:
             return layer(x)
         return planned_linear(x, layer.weight, layer.bias, self._choices.get(layer))
 
-    def _proj(self, mod: torch.nn.Module, x: torch.Tensor, groups: Sequence[tuple[str | None, int, int]]) -> torch.Tensor:
+    def _proj(self, mod: Any, x: torch.Tensor, groups: Sequence[tuple[str | None, int, int]]) -> torch.Tensor:
         """``mod(x)`` for rows (tokens) grouped by adapter: the base once, each adapter's delta on its slice."""
         if not _is_lora(mod):
             return self._linear(x, mod)
@@ -465,7 +467,7 @@ class ContinuousEngine(Stepwise):
             h = h + self._proj(mlp.down_proj, mlp.act_fn(gate) * up, groups)
         return self._norm(self.body.norm, h)
 
-    def _norm(self, mod: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def _norm(self, mod: Any, x: torch.Tensor) -> torch.Tensor:
         """An RMSNorm in one fused op where it computes what the module does (float32), else the module."""
         if self._fused_norm:
             return F.rms_norm(x, (x.shape[-1],), mod.weight, mod.variance_epsilon)
@@ -787,15 +789,4 @@ class ContinuousEngine(Stepwise):
         return done
 
 
-def make_engine(model: torch.nn.Module, tokenizer: Tokenizer | None, *, kind: str, **kw: Any) -> Any:
-    """A :class:`ContinuousEngine` when ``kind`` is continuous and the model is supported, else the static one."""
-    from services.rollouter.engine import TorchEngine
-
-    if kind == "continuous" and support_problem(model) is None:
-        return ContinuousEngine(model, tokenizer, **kw)
-    kw.pop("max_tokens", None)
-    kw.pop("speculate", None)
-    return TorchEngine(model, tokenizer, **kw)
-
-
-__all__ = ["BASE_ADAPTER", "ContinuousEngine", "Row", "Unsupported", "make_engine", "support_problem"]
+__all__ = ["BASE_ADAPTER", "ContinuousEngine", "Row", "Unsupported", "support_problem"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal, cast
 
 import torch
 
@@ -130,7 +130,9 @@ class TorchEngine(ServesAdapters):
 
     def __init__(self, model: torch.nn.Module, tokenizer: Tokenizer | None = None, *, version: int = 0,
                  seed: int = 0, max_batch: int = 64) -> None:
-        self.model = model.eval()  # peft routes rows to adapters only in eval mode
+        # a Hugging Face (or peft) model: its submodules are reached by name, which torch's types cannot follow
+        self.model: Any = cast(Any, model)
+        self.model.eval()  # peft routes rows to adapters only in eval mode
         self.tokenizer: Tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()  # type: ignore[assignment]
         self.adapters = peft_adapters(model)
         self.lora = bool(self.adapters)

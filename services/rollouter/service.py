@@ -33,9 +33,8 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from services.rollouter import native
-from services.rollouter.backends import build_engine
+from services.rollouter.backends import Engine, RolloutEngine, build_engine
 from services.rollouter.batcher import Batcher, ContinuousBatcher
-from services.rollouter.continuous import ContinuousEngine
 from services.rollouter.engine import SamplingParams, TorchEngine, UnknownAdapter
 from shared.kernel import events
 from shared.kernel.bus import kv_get_int
@@ -77,7 +76,7 @@ class BadRequest(ValueError):
     """A GenRequest that decodes but cannot be served."""
 
 
-def request_prompts(req: GenRequest, engine: TorchEngine | ContinuousEngine) -> list[list[int]]:
+def request_prompts(req: GenRequest, engine: RolloutEngine) -> list[list[int]]:
     """Validate a request's adapter and prompts (non-empty 1-d integer arrays of known token ids) into lists."""
     try:
         engine.check_adapter(req.adapter)
@@ -104,7 +103,7 @@ def request_prompts(req: GenRequest, engine: TorchEngine | ContinuousEngine) -> 
     return out
 
 
-def load_weights(engine: TorchEngine | ContinuousEngine, model: str, header: WeightsHeader, body: memoryview, *, version: int | None,
+def load_weights(engine: RolloutEngine, model: str, header: WeightsHeader, body: memoryview, *, version: int | None,
                  checksum: str | None) -> str:
     """Check a fetched version bucket by bucket and load it into the engine in place (engine thread).
 
@@ -148,8 +147,10 @@ class RollouterService(Service):
                               .digest()[:4], "little")
         fallbacks: list[str] = []
         # vLLM starts its engine (seconds, a warm-up generation): on the engine's thread as well
-        self.engine = await loop.run_in_executor(
-            self._executor, lambda: build_engine(self.cfg, self.model, net, tok, seed=seed, fallbacks=fallbacks))
+        model = self.model
+        assert model is not None  # a rollouter serves one model
+        self.engine: Engine = await loop.run_in_executor(
+            self._executor, lambda: build_engine(self.cfg, model, net, tok, seed=seed, fallbacks=fallbacks))
         for why in fallbacks:
             self.counters["static_fallback"] += 1
             self.log.warning(why)

@@ -31,7 +31,7 @@ import time
 from collections import deque
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -92,13 +92,14 @@ class VllmEngine(Stepwise):
                  seed: int = 0, max_batch: int = 64, dtype: str = "float32", device: str = "cpu",
                  work_dir: Path | None = None) -> None:
         vllm = import_vllm()
-        self.model = model.eval()
+        self.model: Any = cast(Any, model)  # a Hugging Face (or peft) model, reached by attribute names
+        self.model.eval()
         self.tokenizer = tokenizer
         self.adapters = peft_adapters(model)
         self.lora = bool(self.adapters)
         self.version = version
         self.max_batch = max_batch
-        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         self.running: list[Row] = []
         self.waiting: deque[Row] = deque()  # rows to add to vLLM at the next step (new, or interrupted by a load)
         self.reserved = 0
@@ -114,7 +115,7 @@ class VllmEngine(Stepwise):
         root.mkdir(parents=True, exist_ok=True)
         sweep_work_dirs(root)
         self.work_dir = Path(tempfile.mkdtemp(prefix=f"{WORK_PREFIX}{os.getpid()}-", dir=root))
-        base = model.get_base_model() if self.lora else model  # type: ignore[operator]
+        base = self.model.get_base_model() if self.lora else self.model
         model_ctx = context_length(base) or 4096
         self.context = min(settings.max_model_len or model_ctx, model_ctx)
         # the frozen base as a plain Hugging Face model: peft's wrapped layers hold it under `base_layer`
@@ -130,7 +131,7 @@ class VllmEngine(Stepwise):
         if device != "cpu":
             args["gpu_memory_utilization"] = settings.gpu_memory_utilization
         if self.lora:
-            peft_cfg = model.peft_config  # type: ignore[union-attr]
+            peft_cfg = self.model.peft_config
             rank = max(int(c.r) for c in peft_cfg.values())
             n = len(self.adapters)
             args.update(enable_lora=True, max_loras=settings.max_loras or n + 1,
@@ -293,7 +294,7 @@ class VllmEngine(Stepwise):
         path = self.work_dir / "lora" / f"v{self.version}-{next(self._ids)}" / name
         path.mkdir(parents=True)
         save_file({k: v.detach().contiguous() for k, v in state.items()}, str(path / "adapter_model.safetensors"))
-        self.model.peft_config[config_of].save_pretrained(str(path))  # type: ignore[union-attr]
+        self.model.peft_config[config_of].save_pretrained(str(path))
         req = self._vllm.lora.request.LoRARequest(lora_name=f"{name}-{path.parent.name}", lora_int_id=next(self._lora_ids),
                                                   lora_path=str(path))
         if not self.llm.add_lora(req):

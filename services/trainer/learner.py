@@ -18,7 +18,7 @@ import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -166,7 +166,7 @@ class Learner:
         self.device = resolve_device(cfg, model)
         self.net = load_model(cfg, model, self.device)
         self.net.train(not self.lora)
-        self.vocab_size = int(self.net.get_input_embeddings().num_embeddings)
+        self.vocab_size = int(self.net.get_input_embeddings().num_embeddings)  # type: ignore[operator]
         self.context = context_length(self.net)
         self.scorer = ResponseScorer(self.net, self.temperature)
         self.scorer.entropy = "bonus" if obj.entropy_coef > 0 else "metric"
@@ -179,7 +179,7 @@ class Learner:
         self.pad_bound = PAD_BOUND  # inf: every micro-batch in one pass
         self.share_prompts = True  # samples with one prompt run it once (False: one row per sample)
         self.trainable = [p for p in self.net.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.trainable, lr=optim.lr, betas=tuple(optim.betas),
+        self.optimizer = torch.optim.AdamW(self.trainable, lr=optim.lr, betas=(optim.betas[0], optim.betas[1]),
                                            eps=optim.eps, weight_decay=optim.weight_decay)
         self.optim, self.max_versions = optim, cfg.train.max_versions
         self.version = 0
@@ -224,7 +224,7 @@ class Learner:
                                      [s.advantage for s in samples], estimator)
         return self.accumulate(kept, [float(adv[i]) for i in keep_idx])
 
-    def accumulate(self, samples: Sequence[Sample], advantages: Sequence[float] | Sequence[np.ndarray]) -> float:
+    def accumulate(self, samples: Sequence[Sample], advantages: Sequence[float | np.ndarray]) -> float:
         """Forward + backward of one micro-batch (loss scaled by 1/global_batch), sub-batch by sub-batch; returns
         its loss. ``advantages``: one number per sample, or one array per sample with a value per response token
         (REINFORCE++ with a per-token reward penalty)."""
@@ -380,7 +380,7 @@ class Learner:
             return
         held, self._held = self._held, []
         rewards = [s.reward for s in held]
-        adv: Sequence[float] | Sequence[np.ndarray]
+        adv: Sequence[float | np.ndarray]
         if self.kl_reward:
             adv = batch_token_advantages(rewards, self.reward_penalties(held))
         else:
@@ -408,6 +408,7 @@ class Learner:
         params = [p for p in self.trainable if p.grad is not None]
         if scale != 1.0:
             for p in params:
+                assert p.grad is not None
                 p.grad.mul_(scale)
         lr = optstep.scheduled_lr(self.optim, self.version, self.max_versions)
         grad_norm, skipped = optstep.apply(self.optimizer, params, lr, self.grad_clip)
@@ -460,26 +461,47 @@ class Learner:
 
     # --- checkpoints ----------------------------------------------------------------------
     def save_checkpoint(self, directory: Path) -> Path:
-        """Write ``v<version>.pt`` atomically (temp file + rename) so a crash never leaves half a checkpoint."""
-        directory.mkdir(parents=True, exist_ok=True)
-        path = directory / f"v{self.version}.pt"
-        tmp = path.with_suffix(".pt.tmp")
-        torch.save(self.state_dict(), tmp)
-        tmp.replace(path)
-        return path
+        return save_checkpoint(self, directory)
 
     def restore_latest(self, directory: Path) -> Path | None:
-        """Load the newest ``v<N>.pt`` in ``directory``; None when there is none."""
-        path = latest_checkpoint(directory)
-        if path is not None:
-            # Read onto the CPU, then onto the device by load_state_dict (weights by copy_, AdamW's moments by
-            # torch's own move): map_location=device would also put AdamW's step counters on the GPU, where a
-            # non-fused AdamW reads each one back to the host every step.
-            self.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
-        return path
+        return restore_latest(self, directory)
+
+    def close(self) -> None:
+        """Nothing to release: the learner lives in this process."""
 
 
-def token_layout(advantages: Sequence[float] | Sequence[np.ndarray], mask: torch.Tensor) -> torch.Tensor:
+class _Stateful(Protocol):
+    @property
+    def version(self) -> int: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def save_checkpoint(learner: _Stateful, directory: Path) -> Path:
+    """Write ``learner``'s ``v<version>.pt`` atomically (temp file + rename) so a crash never leaves half a
+    checkpoint."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"v{learner.version}.pt"
+    tmp = path.with_suffix(".pt.tmp")
+    torch.save(learner.state_dict(), tmp)
+    tmp.replace(path)
+    return path
+
+
+def restore_latest(learner: _Stateful, directory: Path) -> Path | None:
+    """Load the newest ``v<N>.pt`` in ``directory`` into ``learner``; None when there is none."""
+    path = latest_checkpoint(directory)
+    if path is not None:
+        # Read onto the CPU, then onto the device by load_state_dict (weights by copy_, AdamW's moments by torch's
+        # own move): map_location=device would also put AdamW's step counters on the GPU, where a non-fused AdamW
+        # reads each one back to the host every step.
+        learner.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+    return path
+
+
+def token_layout(advantages: Sequence[float | np.ndarray], mask: torch.Tensor) -> torch.Tensor:
     """Advantages in the layout of ``mask`` (rows = samples): [S] when each is one number, else [S, T] with each
     sample's per-token array written at its response positions (the set positions of its row, in order)."""
     if all(np.ndim(a) == 0 for a in advantages):

@@ -164,7 +164,7 @@ class SharedBatch:
     adapters: list[str | None]  # per packed row
 
     def to(self, device: torch.device) -> SharedBatch:
-        moved = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in vars(self).items()}
+        moved: dict[str, Any] = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in vars(self).items()}
         return SharedBatch(**moved)
 
 

@@ -28,7 +28,7 @@ def grad_norm(params: Sequence[torch.Tensor], clip: float) -> float:
     """The total gradient norm of ``params``, clipped to ``clip`` when it is > 0 (the norm before clipping)."""
     if clip > 0:
         return float(torch.nn.utils.clip_grad_norm_(params, clip))
-    return float(torch.norm(torch.stack([p.grad.norm() for p in params]))) if params else 0.0
+    return float(torch.norm(torch.stack([p.grad.norm() for p in params if p.grad is not None]))) if params else 0.0
 
 
 def apply(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], lr: float, clip: float, *,

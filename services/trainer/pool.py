@@ -598,7 +598,8 @@ class PooledLearner:
         return Path(self._call("save_checkpoint", directory, mutates=False).value)
 
     def restore_latest(self, directory: Path) -> Path | None:
-        return self._call("restore_latest", directory).value  # type: ignore[no-any-return]
+        path = self._call("restore_latest", directory).value
+        return None if path is None else Path(path)
 
     def close(self) -> None:
         self.pool.leave(self.model_name)

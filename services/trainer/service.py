@@ -28,12 +28,13 @@ import nats.errors
 from nats.aio.msg import Msg
 from nats.js.errors import NotFoundError
 
+from services.trainer.backends import TrainerBackend, make_learner
 from services.trainer.commits import CommitPointError, Commits, Fenced
 from services.trainer.intake import SeenIds, StepBook, filter_samples
-from services.trainer.learner import Learner, StepResult, adapter_problem
+from services.trainer.learner import StepResult, adapter_problem
 from services.trainer.pool import PooledLearner, TrainingPool
 from services.trainer.state import Committed, RecentSteps, pack_state, steps_remembered, unpack_state
-from services.trainer.zero import TrainerGroup, make_learner
+from services.trainer.zero import TrainerGroup
 from shared.kernel import events
 from shared.kernel.bus import fetch, kv_put_int_max, pull_consumer, stream_seq
 from shared.kernel.codec import DecodeError, decode, encode
@@ -101,9 +102,11 @@ class TrainerService(Service):
         self.done = False
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"trainer-{self.model}",
                                         initializer=_init_worker, initargs=(self.train.threads,))
-        # the torch learner, or rank 0 of a DeepSpeed trainer group (models.<m>.trainer.backend)
+        # the torch learner, rank 0 of a DeepSpeed trainer group (models.<m>.trainer.backend), or a tenant of the
+        # training pool (train.pool): services/trainer/backends.py
+        self.learner: TrainerBackend
         if self.pool is not None:
-            self.learner: Learner = await self._torch(PooledLearner, self.pool, self.model)  # type: ignore[arg-type]
+            self.learner = await self._torch(PooledLearner, self.pool, self.model)
         else:
             self.learner = await self._torch(make_learner, self.cfg, self.model, self.train.threads)
         if isinstance(self.learner, TrainerGroup):
@@ -138,8 +141,8 @@ class TrainerService(Service):
         # A late status reply to the last fetch would sit unread in the pull subscription and stall drain().
         await self.release(getattr(self, "sub", None))
         await self.nc.flush(timeout=5)
-        if isinstance(getattr(self, "learner", None), TrainerGroup | PooledLearner):
-            await self._torch(self.learner.close)  # type: ignore[attr-defined]
+        if getattr(self, "learner", None) is not None:
+            await self._torch(self.learner.close)
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self.trackers is not None:
             await asyncio.to_thread(self.trackers.close)
@@ -182,6 +185,8 @@ class TrainerService(Service):
             if path is not None:
                 self.log.info("restored checkpoint file", path=str(path), version=self.learner.version)
             ann = await self._commit(None)
+            if ann is None:  # stopping before the first commit: nothing to announce
+                return
         self.counters["objects_swept"] += await self.commits.sweep(ann)
         await self._set_trained(ann.version)
         if record is not None:
@@ -197,6 +202,7 @@ class TrainerService(Service):
     async def exit_blocker(self) -> str | None:
         """--exit-when-done: the model's mq sends nothing more (``closed.mq.<model>``) and every micro-batch of
         the ready stream is read and dropped as finished."""
+        assert self.model is not None
         if not await stage_closed(self.kv, self.cfg, self.names.mq_closed_key(self.model)):
             return "the mq's last micro-batches"
         info = await self.sub.consumer_info()
@@ -368,8 +374,8 @@ class TrainerService(Service):
         summary = self.book.summary()
         gone = {i for ids in result.untrained.values() for i in ids}
         if gone:  # MARFT: in the step's batch, not trained by it (recorded as dropped above)
-            summary["sample_ids"] = [i for i in self.book.sample_ids if i not in gone]
-            summary["samples"] = len(summary["sample_ids"])
+            kept = [i for i in self.book.sample_ids if i not in gone]
+            summary["sample_ids"], summary["samples"] = kept, len(kept)
         record = StepRecord(model=self.model, version=result.version, dropped_stale=self.counters["dropped_stale"],
                             step_seconds=round(step_s, 6), loss=result.loss, **summary)  # type: ignore[arg-type]
         line = record.model_dump(mode="json", exclude={"schema_"})

@@ -43,7 +43,14 @@ import torch
 
 from services.trainer import optstep
 from services.trainer.advantages import micro_batch_advantages
-from services.trainer.learner import Collated, Learner, StepResult, token_layout
+from services.trainer.learner import (
+    Collated,
+    Learner,
+    StepResult,
+    restore_latest,
+    save_checkpoint,
+    token_layout,
+)
 from services.trainer.logprobs import prompt_groups
 from shared.kernel.config import ChorusConfig, ConfigError, deep_merge
 from shared.kernel.schemas import Sample
@@ -281,7 +288,8 @@ class ZeroLearner(Learner):
         return mine
 
     def _adapter_order(self) -> list[str | None]:
-        return sorted(self.adapters) if self.adapters is not None else [None]
+        order: list[str | None] = [*sorted(self.adapters)] if self.adapters is not None else [None]
+        return order
 
     def _plan(self, mine: dict[str | None, list[tuple[Sample, Any]]]) -> list[tuple[str | None, list[Any], int]]:
         """Per adapter: this rank's sub-batches (advantages, batch) and how many every rank runs (the most any has)."""
@@ -478,12 +486,34 @@ class TrainerGroup:
             self._kill()
             raise
 
-    # the torch learner's attributes, read by the service
-    def __getattr__(self, name: str) -> Any:
-        local = self.__dict__.get("local")
-        if local is None:
-            raise AttributeError(name)
-        return getattr(local, name)
+    # what the service reads of a learner (services/trainer/backends.py): rank 0's
+    @property
+    def model_name(self) -> str:
+        return self.local.model_name
+
+    @property
+    def version(self) -> int:
+        return self.local.version
+
+    @property
+    def accumulated(self) -> int:
+        return self.local.accumulated
+
+    @property
+    def vocab_size(self) -> int:
+        return self.local.vocab_size
+
+    @property
+    def context(self) -> int | None:
+        return self.local.context
+
+    @property
+    def adapters(self) -> list[str] | None:
+        return self.local.adapters
+
+    @property
+    def stage(self) -> int:
+        return self.local.stage
 
     def _all(self, verb: str, *args: Any) -> Any:
         """Run ``verb(*args)`` on every rank (broadcast first), returning rank 0's result."""
@@ -512,15 +542,18 @@ class TrainerGroup:
     def step(self) -> StepResult | None:
         if not self.local.ready():
             return None
-        return self._all("run_step", self.local.take_pending())  # type: ignore[no-any-return]
+        result: StepResult = self._all("run_step", self.local.take_pending())
+        return result
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
         if self.local.stage < 3:
             return {k: t.detach() for k, t in shipped_tensors(self.local.net, self.local.lora).items()}
-        return self._all("gathered")  # type: ignore[no-any-return]
+        tensors: dict[str, torch.Tensor] = self._all("gathered")
+        return tensors
 
     def optimizer_state(self) -> dict[str, Any]:
-        return self._all("save_zero", f"v{self.local.version}")  # type: ignore[no-any-return]
+        state: dict[str, Any] = self._all("save_zero", f"v{self.local.version}")
+        return state
 
     def state_dict(self) -> dict[str, Any]:
         return {"version": self.local.version, "model": {k: t.cpu() for k, t in self.named_tensors().items()},
@@ -536,10 +569,10 @@ class TrainerGroup:
         self.loaded = self.local.load_zero(version, state["model"], ref)
 
     def save_checkpoint(self, directory: Path) -> Path:
-        return Learner.save_checkpoint(self, directory)  # type: ignore[arg-type]
+        return save_checkpoint(self, directory)
 
     def restore_latest(self, directory: Path) -> Path | None:
-        return Learner.restore_latest(self, directory)  # type: ignore[arg-type]
+        return restore_latest(self, directory)
 
     def close(self) -> None:
         """Every rank leaves (rank 0 last); a rank that does not within 30 s is killed."""
@@ -583,13 +616,6 @@ def follow(spec: Path, model: str, rank: int, world: int, port: int, threads: in
             torch.distributed.destroy_process_group()
             return 0
         getattr(learner, verb)(*args)
-
-
-def make_learner(cfg: ChorusConfig, model: str, threads: int = 1) -> Learner | TrainerGroup:
-    """The learner of ``model``'s trainer backend: the torch learner, or rank 0 of a DeepSpeed group."""
-    if cfg.models[model].trainer.backend == "deepspeed":
-        return TrainerGroup(cfg, model, threads)
-    return Learner(cfg, model)
 
 
 if __name__ == "__main__":
