@@ -17,7 +17,7 @@ from services.coordinator.evaluation import evaluate
 from services.coordinator.failures import FailureLog, error_key, root_cause
 from services.coordinator.generated import GeneratedTokens
 from services.coordinator.keepbest import BestKeeper
-from services.coordinator.marft import apply_gae, critic_rows, rollouts
+from services.coordinator.marft import HeldBatch, apply_gae, critic_rows, rollouts
 from services.coordinator.routing import RolloutRouter
 from services.coordinator.samples import SampleWriter, dumps, episode_records
 from services.coordinator.tasks import Task, TaskSource, heldout_tasks
@@ -140,6 +140,9 @@ class CoordinatorService(Service):
             # batch opens without waiting out a poll period.
             await self.nc.subscribe(self.names.sync_done(m), cb=self._on_sync_done)
         self.spawn(self._version_loop(), "versions")
+        self.held = HeldBatch()  # MARFT on-policy: the open batch's valued episodes, published whole
+        if cfg.marft_on and self.gate is not None:
+            self.spawn(self._held_batch_loop(), "held-batch")
         # logging.samples_every: one rollout of every Nth task to samples.jsonl (`chorus samples`), written by a
         # flush loop in a worker thread; teardown writes what is left.
         self._samples: list[str] = []
@@ -176,6 +179,11 @@ class CoordinatorService(Service):
             await asyncio.gather(*pending, return_exceptions=True)
         if self._publishing:
             await asyncio.wait(self._publishing, timeout=10)
+        held = getattr(self, "held", None)
+        if held is not None and held.items:  # a MARFT batch not complete: the next coordinator plays a new one
+            self.counters["tasks_left_stopping"] += len(held.items)
+            self.log.info("an unfinished MARFT batch is left: its episodes were not published", tasks=len(held.items),
+                          batch=held.batch)
         if getattr(self, "sample_writer", None) is not None:
             await self._flush_samples()
         if hasattr(self, "mux"):
@@ -286,7 +294,7 @@ class CoordinatorService(Service):
         now = time.monotonic()
         if self.admission.saturated(now):
             return False
-        done = {m for m in self.models if self.admission.trained.get(m, 0) >= self.cfg.train.max_versions}
+        done = self._budget_spent_models()
         if self.pacer is not None:
             if not self.pacer.may_start(self.served, done, now):
                 return False
@@ -363,6 +371,7 @@ class CoordinatorService(Service):
         retry: tuple[int, Task, int] | None = None  # a failed task to play again, with its attempt number
         while await self._wait_admitted():
             ticket, self._ticket = self._ticket, None
+            batch = self.gate.batches if self.gate is not None else 0  # the on-policy batch the task is in
             if retry is None:
                 (env_idx, task), attempt = self.tasks.next(), 0
             else:
@@ -421,6 +430,10 @@ class CoordinatorService(Service):
                 self._record(ep)
                 await self._sample(ep)
                 continue
+            if critic is not None and self.gate is not None:
+                # MARFT on-policy: held until the batch's last task is in, then normalised and published together
+                self.held.add(batch, ep, critic)
+                continue
             # Once started, a task's samples are published whole even if a drain cancels this loop.
             pub = asyncio.create_task(self._publish(ep, critic))
             self._publishing.add(pub)
@@ -428,6 +441,37 @@ class CoordinatorService(Service):
             await asyncio.shield(pub)
             self._record(ep)
             await self._sample(ep)
+
+    async def _held_batch_loop(self) -> None:
+        """MARFT in an on-policy mode: once the open batch is complete (every task ended, every model's samples
+        in), its held episodes' advantages are normalised together over every agent and model and the batch is
+        published whole (services/coordinator/marft.py)."""
+        while not self.stopping:
+            await asyncio.sleep(POLL_S)
+            assert self.gate is not None
+            if not self.held.items or not self.gate.complete(self._budget_spent_models()):
+                continue
+            items = self.held.take(self.cfg.marft.variant)
+            if self._announced_done:
+                for ep, _ in items:
+                    self.counters["samples_not_published_finished"] += len(ep.samples)
+                    self._record(ep)
+                continue
+            self.counters["marft_batches_published"] += 1
+            pub = asyncio.create_task(self._publish_all(items))
+            self._publishing.add(pub)
+            pub.add_done_callback(self._publishing.discard)
+            await asyncio.shield(pub)
+
+    async def _publish_all(self, items: list[tuple[Episode, CriticBatch]]) -> None:
+        for ep, critic in items:
+            await self._publish(ep, critic)
+            self._record(ep)
+            await self._sample(ep)
+
+    def _budget_spent_models(self) -> set[str]:
+        """Models that reached train.max_versions: they need no more samples."""
+        return {m for m in self.models if self.admission.trained.get(m, 0) >= self.cfg.train.max_versions}
 
     def _admitted_done(self, ep: Episode | None, ticket: dict[str, float] | None) -> None:
         """A task ended, with its episode's samples to publish (None: nothing will be published): the admission

@@ -155,6 +155,9 @@ class ExperienceStore(Generic[H]):
         # step, so the next batch is released when the store has the rest (groups of MARFT's episodes vary in
         # size: a batch may end part-way through a micro-batch, and its last group then overshoots it).
         self._sent = 0
+        # sync mode, MARFT: a batch the coordinator published whole says its size (Sample.batch_samples, per
+        # generating version); the barrier releases all of it, which may pass the global batch
+        self._batch_size: dict[int, int] = {}
         self.duplicates = 0
         self.finished = False
 
@@ -204,6 +207,7 @@ class ExperienceStore(Generic[H]):
             return []
         self.trained_version = version
         self._sent = 0
+        self._batch_size = {v: n for v, n in self._batch_size.items() if v >= version}
         if not self._episode:
             stale: Dropped[H] = Dropped(STALE)
             for sid in [r.sample_id for r in self._rows() if not r.is_processing and self._stale(r.policy_version)]:
@@ -263,7 +267,7 @@ class ExperienceStore(Generic[H]):
         if self.policy.mode != "sync":
             return self._take(units[:size]) if len(units) >= size else None
         if self._owed <= 0:
-            need = self.policy.global_batch - self._sent
+            need = max(self.policy.global_batch, self._batch_size.get(self.trained_version, 0)) - self._sent
             if need <= 0 or sum(map(len, units)) < need:
                 return None  # the trainer has (or the store lacks) the rest of the batch
             self._owed = need
@@ -352,6 +356,9 @@ class ExperienceStore(Generic[H]):
         return AddResult(AddKind.DROPPED, dropped=drops)
 
     def _insert(self, head: Mapping[str, Any], columns: Mapping[str, Any], handle: H) -> None:
+        if head.get("batch_samples"):
+            v = int(head["version"])
+            self._batch_size[v] = max(self._batch_size.get(v, 0), int(head["batch_samples"]))
         self._seq += 1
         row: Row[H] = self.blobs.new_row(head, handle, self._seq)
         for column, value in columns.items():

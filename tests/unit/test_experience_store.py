@@ -375,6 +375,25 @@ def test_sync_mode_with_trainer_grouping_counts_samples_and_gives_back_released_
     assert sizes == [2, 2, 1] and store.depth() == 0
 
 
+def test_sync_mode_releases_a_whole_marft_batch_that_passes_the_global_batch() -> None:
+    # the coordinator published a MARFT batch of 10 samples (global batch 6) whole: each says batch_samples 10
+    policy = Policy(grouping="episode", mode="sync", micro_groups=1, global_batch=6)
+    store: ExperienceStore[int] = ExperienceStore("m", max_staleness=0, policy=policy)
+    h = count()
+    for key, size in (("a", 2), ("b", 3), ("c", 2), ("d", 3)):
+        for i in range(size):
+            store.add(sample(key, i, size=size).model_copy(update={"batch_samples": 10}), next(h))
+    takes = []
+    while (take := store.take_micro_batch()) is not None:
+        takes.append(take.group_keys)
+        store.commit(take)
+    assert takes == [["a"], ["b"], ["c"], ["d"]]  # all 10, not 7: the trainer steps on the whole batch
+    assert store.set_trained_version(1) == [] and store.depth() == 0
+    for i in range(2):  # the next batch is a plain one again: the global batch
+        store.add(sample("e", i, version=1), next(h))
+    assert store.take_micro_batch() is None
+
+
 def test_microbatch_and_async_modes_dispatch_each_micro_batch_at_once() -> None:
     for mode in ("microbatch", "async"):
         policy = Policy(grouping="episode", mode=mode, micro_groups=1, global_batch=64)  # type: ignore[arg-type]
