@@ -39,7 +39,7 @@ from tests.unit.test_workflows_builtin import ARITH, Actions, Script
 TOK = ByteTokenizer()
 
 
-def group_advantages(rewards: Any, keys: list[Any]) -> torch.Tensor:
+def grpo_adv(rewards: Any, keys: list[Any]) -> torch.Tensor:
     return torch.from_numpy(np_group_advantages(rewards, keys)).to(torch.float32)
 R2 = math.sqrt(2)  # a group of three with two equal rewards normalises to (1/sqrt2, 1/sqrt2, -sqrt2)
 R32 = math.sqrt(1.5)  # (1, 0, 0.5) normalises to (sqrt1.5, -sqrt1.5, 0)
@@ -98,11 +98,11 @@ async def test_episode_grouping_sets_advantages_per_env_agent_and_turn():
     # Plain GRPO groups by env only: all 12 rewards, mean .5, std sqrt(1/6) -> +-sqrt(1.5) or 0. Agent b's
     # right answer at turn 1 gets sqrt(1.5) there and sqrt(2) under AT-GRPO; its constant turn 3 stays 0 in both.
     rewards = [GIVEN[t][i] for t in GIVEN for i in range(3)]
-    per_env = group_advantages(rewards, ["env4"] * 12).view(4, 3)
+    per_env = grpo_adv(rewards, ["env4"] * 12).view(4, 3)
     assert per_env[1].tolist() == pytest.approx([-R32, -R32, R32], rel=1e-4)
     assert per_env[2].tolist() == pytest.approx([R32, R32, -R32], rel=1e-4)
     # Grouping by (env, agent) only mixes a's turns 0 and 2: a different answer again.
-    per_agent = group_advantages(rewards, [AGENT_OF[t] for t in GIVEN for _ in range(3)]).view(4, 3)
+    per_agent = grpo_adv(rewards, [AGENT_OF[t] for t in GIVEN for _ in range(3)]).view(4, 3)
     assert not torch.allclose(per_agent[0], torch.tensor(expected[0]), atol=1e-3)
     assert not torch.allclose(per_agent[1], torch.tensor(expected[1]), atol=1e-3)
 
@@ -299,7 +299,7 @@ def test_micro_batch_advantages_use_the_given_ones_and_compute_the_rest_within_t
     assert adv.tolist() == pytest.approx([0.3, -0.3, 1.0, -1.0, -1.0, 1.0], abs=1e-5)
     # Without given advantages: exactly the per-micro-batch GRPO the trainer always computed.
     rewards, keys = [1.0, 0.0, 0.25, 0.5, 3.0], ["x", "x", "y", "y", "z"]
-    assert torch.equal(micro_batch_advantages(rewards, keys, [None] * 5), group_advantages(rewards, keys))
+    assert torch.equal(micro_batch_advantages(rewards, keys, [None] * 5), grpo_adv(rewards, keys))
     with pytest.raises(ValueError, match="finite"):
         micro_batch_advantages([1.0], ["x"], [math.nan])
     with pytest.raises(ValueError, match="one of each"):

@@ -20,7 +20,7 @@ from shared.rlmath.losses import (
 LOG = math.log
 
 
-def policy_loss_terms(logp: torch.Tensor, behav: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, *,
+def ppo_family_terms(logp: torch.Tensor, behav: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, *,
                       clip_eps: float, loss: str = "ppo_clip", logp_prox: torch.Tensor | None = None,
                       clip_ratio_c: float | None = None, behav_imp_weight_cap: float | None = None
                       ) -> tuple[torch.Tensor, dict[str, float]]:
@@ -54,7 +54,7 @@ def test_decoupled_matches_hand_computation_with_weights_and_cap():
     prox = torch.tensor([[LOG(0.6), LOG(0.2)]])
     theta = _leaf([[0.9, 0.2]])
     adv, mask = torch.tensor([1.0]), torch.ones(1, 2)
-    per_token, stats = policy_loss_terms(theta, mu, adv, mask, clip_eps=0.2, loss="decoupled", logp_prox=prox)
+    per_token, stats = ppo_family_terms(theta, mu, adv, mask, clip_eps=0.2, loss="decoupled", logp_prox=prox)
     # token 1: r = 1.5 -> clipped 1.2, w = 1.2: L = 1.2 * -1.2 = -1.44; token 2: r = 1, w = .5: L = -0.5
     assert per_token.tolist()[0] == pytest.approx([-1.44, -0.5], abs=1e-5)
     loss = aggregate_loss(per_token, mask, "seq-mean-token-mean", 1)
@@ -66,7 +66,7 @@ def test_decoupled_matches_hand_computation_with_weights_and_cap():
     assert stats["is_weight_max"] == pytest.approx(1.2, abs=1e-5)
     assert stats["approx_kl_prox"] == pytest.approx((LOG(0.6 / 0.9) + 0.0) / 2, abs=1e-5)
     # with a cap of 1.1, token 1 (w = 1.2) leaves the loss
-    capped, stats = policy_loss_terms(theta, mu, adv, mask, clip_eps=0.2, loss="decoupled", logp_prox=prox,
+    capped, stats = ppo_family_terms(theta, mu, adv, mask, clip_eps=0.2, loss="decoupled", logp_prox=prox,
                                       behav_imp_weight_cap=1.1)
     assert capped.tolist()[0] == pytest.approx([0.0, -0.5], abs=1e-5)
     assert stats["is_weight_capped_frac"] == 0.5
@@ -75,7 +75,7 @@ def test_decoupled_matches_hand_computation_with_weights_and_cap():
 def test_ppo_clip_on_the_same_tokens_clips_against_mu():
     mu = torch.tensor([[LOG(0.5), LOG(0.4)]])
     theta = _leaf([[0.9, 0.2]])
-    per_token, stats = policy_loss_terms(theta, mu, torch.tensor([1.0]), torch.ones(1, 2), clip_eps=0.2)
+    per_token, stats = ppo_family_terms(theta, mu, torch.tensor([1.0]), torch.ones(1, 2), clip_eps=0.2)
     # token 1: rho = 1.8 -> clipped at 1.2: -1.2; token 2: rho = .5, A > 0: min(.5, .8) -> -0.5 (unclipped)
     assert per_token.tolist()[0] == pytest.approx([-1.2, -0.5], abs=1e-5)
     assert stats["clip_frac"] == 0.5 and stats["ratio_mean"] == pytest.approx((1.8 + 0.5) / 2, abs=1e-5)
@@ -88,7 +88,7 @@ def test_decoupled_keeps_the_gradient_of_a_token_whose_ratio_to_a_stale_mu_left_
     mu = torch.tensor([[LOG(0.5)]])
     for loss, expected in (("ppo_clip", 0.0), ("decoupled", -1.8)):
         theta = _leaf([[0.9]])
-        per_token, _ = policy_loss_terms(theta, mu, torch.tensor([1.0]), torch.ones(1, 1), clip_eps=0.2, loss=loss,
+        per_token, _ = ppo_family_terms(theta, mu, torch.tensor([1.0]), torch.ones(1, 1), clip_eps=0.2, loss=loss,
                                          logp_prox=theta.detach())
         aggregate_loss(per_token, torch.ones(1, 1), "token-mean", 1).backward()
         assert theta.grad.item() == pytest.approx(expected, abs=1e-5), loss
@@ -106,7 +106,7 @@ def test_decoupled_with_pi_prox_equal_to_mu_is_ppo_clip(agg: str, dual: float | 
     out = {}
     for loss in ("ppo_clip", "decoupled"):
         theta = start.clone().requires_grad_(True)
-        per_token, _ = policy_loss_terms(theta, mu, adv, mask, clip_eps=0.2, loss=loss, logp_prox=mu,
+        per_token, _ = ppo_family_terms(theta, mu, adv, mask, clip_eps=0.2, loss=loss, logp_prox=mu,
                                          clip_ratio_c=dual)
         value = aggregate_loss(per_token, mask, agg, float(mask.sum()) if agg == "token-mean" else b)
         value.backward()
@@ -122,9 +122,9 @@ def test_dual_clip_bounds_the_loss_of_a_negative_advantage_token_with_a_huge_rat
     for loss in ("ppo_clip", "decoupled"):
         theta = torch.tensor([[-2.0]], requires_grad=True)  # ratio to mu e^10
         prox = mu if loss == "decoupled" else None
-        unbounded, _ = policy_loss_terms(theta, mu, adv, mask, clip_eps=0.2, loss=loss, logp_prox=prox)
+        unbounded, _ = ppo_family_terms(theta, mu, adv, mask, clip_eps=0.2, loss=loss, logp_prox=prox)
         assert unbounded.item() == pytest.approx(2.0 * math.exp(10.0), rel=1e-4)  # -A * rho, no bound
-        bounded, stats = policy_loss_terms(theta, mu, adv, mask, clip_eps=0.2, loss=loss, logp_prox=prox,
+        bounded, stats = ppo_family_terms(theta, mu, adv, mask, clip_eps=0.2, loss=loss, logp_prox=prox,
                                            clip_ratio_c=3.0)
         assert bounded.item() == pytest.approx(3.0 * 2.0)  # c * |A|
         assert stats["dual_clip_frac"] == 1.0
@@ -132,7 +132,7 @@ def test_dual_clip_bounds_the_loss_of_a_negative_advantage_token_with_a_huge_rat
         assert theta.grad.item() == 0.0
     # a positive advantage is never dual-clipped
     theta = torch.tensor([[-2.0]], requires_grad=True)
-    pos, stats = policy_loss_terms(theta, mu, torch.tensor([2.0]), mask, clip_eps=0.2, clip_ratio_c=3.0)
+    pos, stats = ppo_family_terms(theta, mu, torch.tensor([2.0]), mask, clip_eps=0.2, clip_ratio_c=3.0)
     assert pos.item() == pytest.approx(-2.0 * 1.2) and stats["dual_clip_frac"] == 0.0
 
 
@@ -140,18 +140,18 @@ def test_clip_frac_counts_only_tokens_whose_clipped_term_is_used():
     mu = torch.zeros(1, 4)
     # ratios 1.5, 0.5, 1.5, 0.5 with A = +1: only 1.5 is clipped (0.5 with A > 0 keeps its unclipped term)
     theta = torch.tensor([[LOG(1.5), LOG(0.5), LOG(1.5), LOG(0.5)]])
-    _, stats = policy_loss_terms(theta, mu, torch.tensor([1.0]), torch.ones(1, 4), clip_eps=0.2)
+    _, stats = ppo_family_terms(theta, mu, torch.tensor([1.0]), torch.ones(1, 4), clip_eps=0.2)
     assert stats["clip_frac"] == 0.5
-    _, stats = policy_loss_terms(theta, mu, torch.tensor([-1.0]), torch.ones(1, 4), clip_eps=0.2)
+    _, stats = ppo_family_terms(theta, mu, torch.tensor([-1.0]), torch.ones(1, 4), clip_eps=0.2)
     assert stats["clip_frac"] == 0.5  # A < 0: now 0.5 is the clipped one
 
 
 def test_the_decoupled_loss_needs_pi_prox_and_unknown_losses_are_refused():
     x = torch.zeros(1, 1)
     with pytest.raises(ValueError, match="logp_prox"):
-        policy_loss_terms(x, x, torch.ones(1), x + 1, clip_eps=0.2, loss="decoupled")
+        ppo_family_terms(x, x, torch.ones(1), x + 1, clip_eps=0.2, loss="decoupled")
     with pytest.raises(ValueError, match="not one of"):
-        policy_loss_terms(x, x, torch.ones(1), x + 1, clip_eps=0.2, loss="ppo")
+        ppo_family_terms(x, x, torch.ones(1), x + 1, clip_eps=0.2, loss="ppo")
 
 
 def test_kl_estimators_on_a_hand_computed_token():
