@@ -35,61 +35,44 @@ def load_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     return records
 
 
-def load_critic(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """MARFT's critic step lines (``"kind": "critic_step"``: version, value_loss, explained_variance, ...)."""
+def _records(path: str | os.PathLike[str], kind: str, key: str) -> list[dict[str, Any]]:
+    """The JSON lines of ``path`` of ``"kind": kind`` that have ``key``, in file order; a line cut short by a crash
+    is skipped."""
     out = []
     for line in Path(path).read_text().splitlines():
+        if f'"{kind}"' not in line:
+            continue
         try:
             rec = json.loads(line)
         except ValueError:
             continue
-        if isinstance(rec, dict) and rec.get("kind") == "critic_step" and "version" in rec:
+        if isinstance(rec, dict) and rec.get("kind") == kind and key in rec:
             out.append(rec)
     return out
 
 
+def load_critic(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """MARFT's critic step lines (``"kind": "critic_step"``: version, value_loss, explained_variance, ...)."""
+    return _records(path, "critic_step", "version")
+
+
 def load_evals(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """Held-out evaluation records, in version order."""
-    evals: list[dict[str, Any]] = []
-    for line in Path(path).read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict) and rec.get("kind") == "eval" and "version" in rec:
-            evals.append(rec)
-    return sorted(evals, key=lambda r: (int(r["version"]), float(r.get("time", 0.0))))
+    return sorted(_records(path, "eval", "version"), key=lambda r: (int(r["version"]), float(r.get("time", 0.0))))
+
+
+def load_generated(metrics: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Every ``generated`` line of ``metrics`` (tokens generated against the trained versions), in file order."""
+    return [r for r in _records(metrics, GENERATED, "versions") if isinstance(r["versions"], dict)]
 
 
 def last_generated(metrics: str | os.PathLike[str]) -> tuple[int, int]:
     """(tokens_generated, tasks) of the last ``generated`` line of ``metrics`` ((0, 0) when there is none)."""
     try:
-        lines = Path(metrics).read_text().splitlines()
+        lines = load_generated(metrics)
     except FileNotFoundError:
         return 0, 0
-    for line in reversed(lines):
-        if f'"{GENERATED}"' not in line:
-            continue
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue  # a line cut short by a crash
-        if isinstance(rec, dict) and rec.get("kind") == GENERATED:
-            return int(rec.get("tokens_generated", 0)), int(rec.get("tasks", 0))
-    return 0, 0
-
-
-def load_generated(metrics: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """Every ``generated`` line of ``metrics``, in file order."""
-    out = []
-    for line in Path(metrics).read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict) and rec.get("kind") == GENERATED and isinstance(rec.get("versions"), dict):
-            out.append(rec)
-    return out
+    return (int(lines[-1].get("tokens_generated", 0)), int(lines[-1].get("tasks", 0))) if lines else (0, 0)
 
 
 def eval_table_rows(evals: list[dict[str, Any]]) -> list[tuple[str, float, float]]:
