@@ -73,8 +73,11 @@ def eval_record_table(record: Mapping[str, Any], tasks: int, split: str, label: 
     for k, value in sorted(((record.get("pass_at_k") or {}).get("final") or {}).items(), key=lambda kv: int(kv[0])):
         if k != "1":
             table.add_row(f"pass@{k}", f"{value:.4f}")
-    if record.get("maj") is not None:
-        table.add_row("maj@n", str(record.get("maj")))
+    maj = record.get("maj")
+    if isinstance(maj, Mapping):  # the vote of the n samples of each task: the final answer's, then each agent's
+        n = record.get("samples", "n")
+        for who, value in sorted(maj.items(), key=lambda kv: (kv[0] != "final", kv[0])):
+            table.add_row(f"maj@{n} {'(final answer)' if who == 'final' else who}", f"{float(value):.4f}")
     table.add_row("failed tasks", str(record["failed"]))
     table.add_row("tokens generated", f"{record['tokens_total']:,}")
     table.add_row("tokens/s", f"{record['tokens_per_s']:.1f}")

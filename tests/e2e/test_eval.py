@@ -27,6 +27,8 @@ def test_chorus_eval_of_a_config_prints_pass_at_1_and_writes_its_record(tmp_path
     # pass@1 is the mean over tasks of each task's share of right final answers
     assert abs(rec["final"] - sum(rec["final_by_task"]) / 8) < 1e-3, rec
     assert set(rec["pass_at_k"]["final"]) >= {"1", "2", "4"}, rec["pass_at_k"]
+    # the vote of the 4 samples, one row per answer (no dict printed into the table)
+    assert "maj@4 (final answer)" in done.stdout and "{'final'" not in done.stdout, done.stdout
 
 
 def test_chorus_eval_of_a_split_the_task_does_not_have_exits_2(tmp_path: Path) -> None:
