@@ -190,9 +190,9 @@ def run_part(arm: str, seed: int, budget: float, out: Path, work: Path, timeout_
     for f, p in sorted(points.items()):
         v = p["version"]
         # the base is the same for every arm of a workflow and seed: scored once
-        out = work / (f"base-{'single' if arm == 'single' else 'mad'}-s{seed}.json" if v == 0 else f"{run_id}-v{v}.json")
-        rec = json.loads(out.read_text()) if v == 0 and out.exists() else \
-            chorus_eval(run_dir, out, "--version", "base" if v == 0 else str(v))
+        where = work / (f"base-{'single' if arm == 'single' else 'mad'}-s{seed}.json" if v == 0 else f"{run_id}-v{v}.json")
+        rec = json.loads(where.read_text()) if v == 0 and where.exists() else \
+            chorus_eval(run_dir, where, "--version", "base" if v == 0 else str(v))
         curve.append({"fraction": f, "version": v, "tokens_generated": p["tokens_generated"],
                       "tokens_trained": trained[v], "final": rec["final"], "pass1": rec["pass1"]})
         print(f"  {f:4.2f} of the budget: v{v} ({p['tokens_generated']:,} generated, {trained[v]:,.0f} trained): "
