@@ -491,6 +491,8 @@ async def _serving(svc: Any, ready: str, nats_url: str) -> AsyncIterator[Any]:
     try:
         await wait_until(lambda: getattr(svc, ready, None) is not None or task.done(), f"{svc.name} started",
                          interval_s=0.02)
+        if not task.done():  # its subscriptions are at the server before the first request (a busy machine)
+            await svc.nc.flush(timeout=10)
         yield nc
     finally:
         await nc.close()
