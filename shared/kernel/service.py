@@ -91,6 +91,7 @@ class Service:
         self._stop = asyncio.Event()
         self.exit_code = 0
         self.start_interrupted = False  # a signal came before the start was complete
+        self.ready = False  # setup() done and its subscriptions at the server
         self.exit_waiting_for: str | None = None  # --exit-when-done, the run finished: what the exit waits for
         # set by a rollouter that the rollout manager moved: after it stopped, the process serves this
         # (model, instance) instead (see serve_until_started)
@@ -192,6 +193,8 @@ class Service:
             handler=self._status_handler,
         )
         await self.setup()
+        await self.nc.flush(timeout=10)  # every subscription of setup() is at the server from here on
+        self.ready = True
         self.spawn(self._metrics_loop(), "metrics")
         if self.cfg.nats.jetstream_check_s > 0:
             self.spawn(self._server_watch(), "server-watch")

@@ -95,7 +95,7 @@ class StandInRollouter:
 
 async def start(svc) -> asyncio.Task[int]:
     task = asyncio.create_task(svc.serve())
-    await wait_until(lambda: getattr(svc, "_micro", None) is not None or task.done(), f"{svc.name} started")
+    await wait_until(lambda: getattr(svc, "ready", False) or task.done(), f"{svc.name} started")
     assert not task.done(), f"{svc.name} exited with {task.result()}"
     return task
 

@@ -70,6 +70,10 @@ async def has(svc: Any, attr: str) -> bool:
     return getattr(svc, attr, None) is not None
 
 
+async def is_ready(svc: Any) -> bool:
+    return bool(getattr(svc, "ready", False))
+
+
 async def routing(svc: Any) -> bool:
     return bool(svc.routing)
 
@@ -96,7 +100,7 @@ async def test_tree_sampled_steps_reach_the_trainer_as_whole_groups_with_one_con
     nc = await nats.connect(nats_url)
     try:
         actions = ActionsService(cfg, nats_url=nats_url)
-        running.append(await started(actions, lambda: has(actions, "_micro")))
+        running.append(await started(actions, lambda: is_ready(actions)))
         for model in MODELS:
             svc = RollouterService(cfg, nats_url=nats_url, instance="0", model=model)
             running.append(await started(svc, lambda svc=svc: routing(svc)))
@@ -106,7 +110,7 @@ async def test_tree_sampled_steps_reach_the_trainer_as_whole_groups_with_one_con
         subs = {m: await pull_consumer(js, stream=names.ready_stream(m), subject=names.ready(m), durable=f"tr_{m}",
                                        ack_wait_s=30, max_ack_pending=1000) for m in MODELS}
         coord = CoordinatorService(cfg, nats_url=nats_url)
-        running.append(await started(coord, lambda: has(coord, "_micro")))
+        running.append(await started(coord, lambda: is_ready(coord)))
         # Two tasks: micro_batch = G, so each micro-batch holds one step's group.
         got = {m: await micro_batches(subs[m], 2) for m in MODELS}
     finally:

@@ -22,7 +22,7 @@ async def test_service_base_answers_status_and_publishes_metrics(nats_url, run_i
     cfg = load_config(p)
     svc = Echo(cfg, nats_url=nats_url)
     task = asyncio.create_task(svc.serve())
-    await wait_until(lambda: getattr(svc, "_micro", None) is not None, "the service started")
+    await wait_until(lambda: getattr(svc, "ready", False), "the service started")
     sub = await svc.nc.subscribe(svc.names.metrics("echo", "0"))
     msg = await sub.next_msg(timeout=2)
     assert json.loads(msg.data)["service"] == "echo"
@@ -86,7 +86,7 @@ async def test_a_task_that_swallows_its_cancellation_does_not_keep_the_service_f
         nats_url, run_id, tmp_path):
     svc = Swallower(_config(tmp_path, run_id, 5.0), nats_url=nats_url)
     task = asyncio.create_task(svc.serve())
-    await wait_until(lambda: getattr(svc, "_micro", None) is not None, "the service started")
+    await wait_until(lambda: getattr(svc, "ready", False), "the service started")
     svc.stop()
     assert await asyncio.wait_for(task, 10) == 0  # within its 5 s grace (and the test's slack)
     assert svc.swallowed == 2
@@ -104,7 +104,7 @@ class Stuck(Service):
 async def test_a_teardown_that_never_ends_is_cut_at_the_stop_grace(nats_url, run_id, tmp_path):
     svc = Stuck(_config(tmp_path, run_id, 3.0), nats_url=nats_url)
     task = asyncio.create_task(svc.serve())
-    await wait_until(lambda: getattr(svc, "_micro", None) is not None, "the service started")
+    await wait_until(lambda: getattr(svc, "ready", False), "the service started")
     svc.stop()
     assert await asyncio.wait_for(task, 10) == 0  # within its 3 s grace (and the test's slack)
     assert svc.counters["teardowns_cut"] == 1
