@@ -171,17 +171,34 @@ def train_to_budget(path: Path, run_dir: Path, budget: float, timeout_s: float) 
     return {"up_s": round(time.monotonic() - t0, 1)}
 
 
+def reached_budget(work: Path, arm: str, seed: int, budget: float) -> Path | None:
+    """The latest run of this arm and seed whose checkpoints reach the budget (an interrupted part), if any."""
+    for run_dir in sorted((work / "runs").glob(f"claims-{arm}-s{seed}-*"), reverse=True):
+        metrics = run_dir / "metrics.jsonl"
+        gen = load_generated(metrics) if metrics.exists() else []
+        last = next((g for g in gen if g["tokens_generated"] >= budget), None)
+        if last is not None and (run_dir / "checkpoints" / "smol" / f"v{last['versions']['smol']}.pt").exists():
+            return run_dir
+    return None
+
+
 def run_part(arm: str, seed: int, budget: float, out: Path, work: Path, timeout_s: float) -> dict[str, Any]:
     work.mkdir(parents=True, exist_ok=True)
-    run_id = f"claims-{arm}-s{seed}-{time.strftime('%Y%m%d-%H%M%S')}"
-    cfg = arm_config(arm, seed, work / "runs")
-    path = work / f"{arm}-s{seed}.yaml"
-    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    run_dir = work / "runs" / run_id
     t0 = time.monotonic()
-    print(f"claims: {arm} seed {seed}: chorus up {path} to {budget:,.0f} generated tokens", flush=True)
-    part: dict[str, Any] = {"arm": arm, "seed": seed, "budget": budget, "run_dir": str(run_dir),
-                            **train_to_budget(path, run_dir, budget, timeout_s)}
+    trained_before = reached_budget(work, arm, seed, budget)
+    if trained_before is not None:  # an interrupted part: its run reached the budget, the evaluations go on
+        run_dir, run_id = trained_before, trained_before.name
+        print(f"claims: {arm} seed {seed}: {run_dir} reached {budget:,.0f} generated tokens; evaluating", flush=True)
+        part: dict[str, Any] = {"arm": arm, "seed": seed, "budget": budget, "run_dir": str(run_dir), "up_s": None}
+    else:
+        run_id = f"claims-{arm}-s{seed}-{time.strftime('%Y%m%d-%H%M%S')}"
+        cfg = arm_config(arm, seed, work / "runs")
+        path = work / f"{arm}-s{seed}.yaml"
+        path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        run_dir = work / "runs" / run_id
+        print(f"claims: {arm} seed {seed}: chorus up {path} to {budget:,.0f} generated tokens", flush=True)
+        part = {"arm": arm, "seed": seed, "budget": budget, "run_dir": str(run_dir),
+                **train_to_budget(path, run_dir, budget, timeout_s)}
     metrics = run_dir / "metrics.jsonl"
     points = budget_points(load_generated(metrics), budget)
     steps = [r for r in load_metrics(metrics) if r["model"] == "smol"]
@@ -191,7 +208,7 @@ def run_part(arm: str, seed: int, budget: float, out: Path, work: Path, timeout_
         v = p["version"]
         # the base is the same for every arm of a workflow and seed: scored once
         where = work / (f"base-{'single' if arm == 'single' else 'mad'}-s{seed}.json" if v == 0 else f"{run_id}-v{v}.json")
-        rec = json.loads(where.read_text()) if v == 0 and where.exists() else \
+        rec = json.loads(where.read_text()) if where.exists() else \
             chorus_eval(run_dir, where, "--version", "base" if v == 0 else str(v))
         curve.append({"fraction": f, "version": v, "tokens_generated": p["tokens_generated"],
                       "tokens_trained": trained[v], "final": rec["final"], "pass1": rec["pass1"]})
@@ -201,8 +218,9 @@ def run_part(arm: str, seed: int, budget: float, out: Path, work: Path, timeout_
     part.update(version=at["version"], tokens=at["tokens_generated"], tokens_trained=at["tokens_trained"],
                 base_final=curve[0]["final"], final=at["final"], steps=len(steps), curve=curve)
     if arm == "single":  # MARTI's equal inference budget: 4 sampled answers, voted
-        sampled = chorus_eval(run_dir, work / f"{run_id}-v{at['version']}-n4.json", "--version", str(at["version"]),
-                              "--samples", "4", "--temperature", str(TEMPERATURE))
+        where = work / f"{run_id}-v{at['version']}-n4.json"
+        sampled = json.loads(where.read_text()) if where.exists() else chorus_eval(
+            run_dir, where, "--version", str(at["version"]), "--samples", "4", "--temperature", str(TEMPERATURE))
         part.update(pass1_t=sampled["final"], maj4=sampled["maj"]["final"])
     part["seconds"] = round(time.monotonic() - t0, 1)
     with out.open("a") as f:
@@ -250,16 +268,17 @@ def summary(out: Path, plots: Path | None) -> str:
     budgets = sorted({p["budget"] for p in parts})
     print(f"{len(parts)} parts from {out}; held-out accuracy at {', '.join(f'{b:,.0f}' for b in budgets)} generated "
           f"tokens ({HELDOUT} held-out tasks per seed)")
-    print(f"{'arm':12} {'score':10} {'seeds':>5} {'mean':>6} {'min':>6} {'max':>6}  per seed: score (version, "
+    print(f"{'arm':12} {'score':10} {'seeds':>5} {'mean':>6} {'median':>6} {'min':>6} {'max':>6}  per seed: score (version, "
           "generated tokens)")
     for arm in ARMS:
         for key in ("base_final", "final", "pass1_t", "maj4"):
             vals = scores(parts, arm, key)
             if not vals:
                 continue
-            per = ", ".join(f"{p[key]:.3f} (v{p['version']}, {p['tokens']:,})"
+            per = ", ".join(f"{p[key]:.3f} " + ("(v0, 0)" if key == "base_final" else f"(v{p['version']}, {p['tokens']:,})")
                             for p in parts if p["arm"] == arm and key in p)
-            print(f"{arm:12} {key:10} {len(vals):5d} {statistics.mean(vals):6.3f} {min(vals):6.3f} "
+            print(f"{arm:12} {key:10} {len(vals):5d} {statistics.mean(vals):6.3f} {statistics.median(vals):6.3f} "
+                  f"{min(vals):6.3f} "
                   f"{max(vals):6.3f}  {per}")
     deltas: dict[str, float | None] = {}
     for claim, (a, ka, b, kb) in CLAIMS.items():
