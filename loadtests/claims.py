@@ -135,6 +135,14 @@ def budget_points(generated: list[dict[str, Any]], budget: float, model: str = "
     return points
 
 
+def budget_checkpoint(run_dir: Path, budget: float, generated: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The first generated line at or past the budget, once its version's checkpoint is written; else None."""
+    line = next((g for g in generated if g["tokens_generated"] >= budget), None)
+    if line is None or not (run_dir / "checkpoints" / "smol" / f"v{line['versions']['smol']}.pt").exists():
+        return None
+    return line
+
+
 def train_to_budget(path: Path, run_dir: Path, budget: float, timeout_s: float) -> dict[str, Any]:
     """``chorus up`` until a version trained on ``budget`` generated tokens has its checkpoint, then SIGINT."""
     metrics, t0 = run_dir / "metrics.jsonl", time.monotonic()
@@ -152,9 +160,8 @@ def train_to_budget(path: Path, run_dir: Path, budget: float, timeout_s: float) 
                 shown = gen[-1]["versions"]["smol"] // 10
                 print(f"  {gen[-1]['tokens_generated']:>7,} / {budget:,.0f} tokens generated, version "
                       f"{gen[-1]['versions']['smol']}, {time.monotonic() - t0:5.0f} s", flush=True)
-            last = next((g for g in gen if g["tokens_generated"] >= budget), None)
-            if last is not None and (run_dir / "checkpoints" / "smol" / f"v{last['versions']['smol']}.pt").exists():
-                reached = last
+            reached = budget_checkpoint(run_dir, budget, gen)
+            if reached is not None:
                 break
     finally:
         if proc.poll() is None:
@@ -175,9 +182,7 @@ def reached_budget(work: Path, arm: str, seed: int, budget: float) -> Path | Non
     """The latest run of this arm and seed whose checkpoints reach the budget (an interrupted part), if any."""
     for run_dir in sorted((work / "runs").glob(f"claims-{arm}-s{seed}-*"), reverse=True):
         metrics = run_dir / "metrics.jsonl"
-        gen = load_generated(metrics) if metrics.exists() else []
-        last = next((g for g in gen if g["tokens_generated"] >= budget), None)
-        if last is not None and (run_dir / "checkpoints" / "smol" / f"v{last['versions']['smol']}.pt").exists():
+        if metrics.exists() and budget_checkpoint(run_dir, budget, load_generated(metrics)) is not None:
             return run_dir
     return None
 
