@@ -289,6 +289,7 @@ class WorkerPool:
         self.profile = DurationProfile()
         self.acts = ActBook()
         self._waiting: list[tuple[Action, asyncio.Future[list[int]]]] = []
+        self._fcfs_waiting: Counter[str] = Counter()  # fcfs: actions waiting for a core, by kind
         self._ends: dict[int, tuple[float, int]] = {}  # running action -> its expected end (monotonic), its cores
         self._suites: dict[int, _Suite] = {}  # malleable suites running (``malleable``)
         self._round_due = False
@@ -296,6 +297,13 @@ class WorkerPool:
     @property
     def queued(self) -> int:
         return self.scheduler.waiting if self.policy == "fcfs" else len(self._waiting)
+
+    @property
+    def queued_kinds(self) -> dict[str, int]:
+        """Actions waiting for cores, by kind."""
+        if self.policy == "fcfs":
+            return {k: n for k, n in self._fcfs_waiting.items() if n > 0}
+        return dict(Counter(a.kind for a, _ in self._waiting))
 
     @property
     def busy(self) -> int:
@@ -314,7 +322,12 @@ class WorkerPool:
         """Run one action when the scheduler gives it cores; errors come back in the :class:`Outcome`."""
         submitted = time.monotonic()
         if self.policy == "fcfs":
-            async with self.scheduler.slot(1):
+            self._fcfs_waiting[kind] += 1
+            try:
+                await self.scheduler.acquire(1)
+            finally:
+                self._fcfs_waiting[kind] -= 1
+            try:
                 cores = self.cpu.allocate("local", 1)
                 assert cores is not None  # the scheduler grants no more cores than the CPU manager holds
                 queue_s = time.monotonic() - submitted
@@ -322,6 +335,8 @@ class WorkerPool:
                     outcome = await self._execute(kind, payload, timeout_s, cores)
                 finally:
                     self.cpu.release("local", cores)
+            finally:
+                self.scheduler.release(1)
             return self._account(kind, 1, outcome, queue_s, submitted)
         action = formulate(kind, payload, self.size, self.profile)
         action.arrival = submitted

@@ -70,6 +70,7 @@ class ActionsService(Service):
             "scheduler": pool.policy,
             "age_s": pool.settings.age_s if pool.policy == "chorus" else None,
             "queue_len": pool.queued,
+            "queued_kinds": pool.queued_kinds,
             # ACT = queue + execution + overhead, per kind (mean, p50, p99) and per resource
             "act": pool.acts.summary(),
             "pool": dict(pool.counters),

@@ -2,7 +2,9 @@
 
 A record holds the task (id, question, reference answer), the weights versions, and per turn the agent, its model,
 the tail of the prompt it saw, its response, the reward it was given (the Sample's, i.e. what the trainer gets),
-the extracted answer, whether it was right and, when the reward function failed on it, ``reward_error``.
+the extracted answer, whether it was right, the advantage the trainer gets (when the samples have theirs by the
+time the record is made) and, when the reward function failed on it, ``reward_error``. The coordinator also
+publishes each batch of records on ``chorus.<run>.samples`` (JSON lines), where ``chorus dashboard`` reads them.
 ``chorus samples RUN`` prints them (shared/launcher/samplescmd.py).
 
 The file rotates at a byte bound (``samples.jsonl`` -> ``samples.1.jsonl``, one old file kept), so a long run
@@ -82,6 +84,7 @@ def rollout_record(cfg: ChorusConfig, ep: Episode, rollout: int, *, eval: bool =
             "answer": meta.get("answer"),
             "correct": meta.get("correct"),
             "trained": s is not None,
+            "advantage": float(s.advantage) if s is not None and s.advantage is not None else None,
         }
         if error:
             row["reward_error"] = str(error)[:1000]

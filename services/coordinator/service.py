@@ -54,6 +54,7 @@ DRAIN_S = 20.0
 EMA = 0.05
 CRITIC_TIMEOUT_S = 120.0  # a value request the critic accepted; it may be in the middle of a step
 SAMPLES_FLUSH_S = 1.0  # sampled rollouts are buffered and appended to samples.jsonl this often
+SAMPLES_MESSAGE_BYTES = 256 * 1024  # sampled records published per message on chorus.<run>.samples, at most
 SAMPLES_BUFFER = 10_000  # records waiting for a write; past it new ones are counted (samples_not_written), not kept
 
 
@@ -540,6 +541,16 @@ class CoordinatorService(Service):
         lines, self._samples = self._samples, []
         if not lines or self.sample_writer is None:
             return
+        # The same records for the watchers of the bus (chorus dashboard): JSON lines, batched under the payload cap.
+        chunk: list[str] = []
+        size = 0
+        for line in [*lines, None]:
+            if line is None or (chunk and size + len(line) > SAMPLES_MESSAGE_BYTES):
+                await self.publish_quietly(self.names.samples(), "\n".join(chunk).encode())
+                chunk, size = [], 0
+            if line is not None:
+                chunk.append(line)
+                size += len(line) + 1
         try:
             await asyncio.to_thread(self.sample_writer.write, lines)
             self.counters["samples_written"] += len(lines)

@@ -225,7 +225,8 @@ class RollouterService(Service):
         if not hasattr(self, "batcher"):
             return {}
         return {"version": self.engine.version, "adapters": list(self.engine.adapters), "routing": self.routing,
-                "load": self.batcher.occupancy(), **self.batcher.snapshot()}
+                "load": self.batcher.occupancy(), "sync_s": getattr(self, "last_sync_s", None),
+                **self.batcher.snapshot()}
 
     # --- load reports (the rollout manager's heartbeats) ------------------------------------
     async def _report_load(self, routing: bool | None = None) -> None:
@@ -532,8 +533,9 @@ class RollouterService(Service):
                              error=f"{type(exc).__name__}: {exc}")
             await self._control_reply(msg, ok=False, error=f"{type(exc).__name__}: {exc}")
             return
+        self.last_sync_s = round(time.perf_counter() - t0, 3)
         self.log.info("weights loaded", version=self.engine.version, transport=ctl.transport,
-                      seconds=round(time.perf_counter() - t0, 3))
+                      seconds=self.last_sync_s)
         await self._control_reply(msg, ok=True, checksum=digest)
 
     def _sink(self, transport: str) -> WeightSink:

@@ -30,7 +30,7 @@ LISTENS: dict[str, tuple[str, ...]] = {
 # LISTENS and the KV keys of KV_WRITES, shared/launcher/natsauth.py derives each kind's permissions (deploy/nats/auth.conf).
 PUBLISHES: dict[str, tuple[str, ...]] = {
     "coordinator": ("traj", "gen", "gen_direct", "rollout_control", "actions_submit", "critic_values",
-                    "critic_samples"),
+                    "critic_samples", "samples"),
     "rollouter": ("rollout_load", "weights_meta", "weights_pull"),
     "mq": ("depth", "ready"),
     "trainer": ("sync_announce",),
@@ -51,7 +51,7 @@ KV_WRITES: dict[str, tuple[str, ...]] = {
 OBJECT_WRITERS = ("trainer", "critic")  # weights and committed state go into the run's object store
 # Subjects no service subscribes to: what services publish for people and tools to watch, and the general
 # builders the subjects above are made with.
-WATCHED_ONLY = ("metrics", "metrics_all", "metrics_every_run", "events", "events_all", "dlq", "srv_ping")
+WATCHED_ONLY = ("metrics", "metrics_all", "metrics_every_run", "events", "events_all", "dlq", "srv_ping", "samples")
 BUILDERS = ("control", "sync")
 
 
@@ -182,6 +182,11 @@ class Names:
 
     def events_all(self) -> str:
         return f"{self.prefix}.events.>"
+
+    def samples(self) -> str:
+        """The coordinator's sampled episode records (JSON lines, as in samples.jsonl): what the agents said,
+        for ``chorus dashboard``'s trajectory view."""
+        return f"{self.prefix}.samples"
 
     def status(self, service: str, model: str | None, instance: str) -> str:
         """The status endpoint of one service instance (micro service API): its metrics snapshot, and the

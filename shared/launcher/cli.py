@@ -214,6 +214,10 @@ def up(
     run: Annotated[str | None, typer.Option(
         "--run", help="run id as given (default: run.id of the config with -YYYYmmdd-HHMMSS appended); an id that "
         "already exists on the NATS server is refused: continue it with --resume, or `chorus clean` it")] = None,
+    dashboard: Annotated[bool, typer.Option(
+        "--dashboard", help="serve the run's dashboard (chorus dashboard) on loopback while it runs")] = False,
+    dashboard_port: Annotated[int | None, typer.Option(
+        "--dashboard-port", help="with --dashboard: its port (default 8265, or the next free one)")] = None,
 ) -> None:
     """Run a whole config on this machine until every model reaches train.max_versions, or resume a run."""
     import uvloop
@@ -243,7 +247,11 @@ def up(
     if checked is not None and checked.is_file():
         _exit_on_problems(_load(checked))  # before any service starts: what a restart cannot fix
     try:
-        code = uvloop.run(run_up(config, timeout_s=timeout_s, console=console, resume=resume, run_id=run))
+        dash = None
+        if dashboard or dashboard_port is not None:
+            dash = ("127.0.0.1", dashboard_port if dashboard_port is not None else _free_dashboard_port("127.0.0.1"))
+        code = uvloop.run(run_up(config, timeout_s=timeout_s, console=console, resume=resume, run_id=run,
+                                 dashboard=dash))
     except ConfigError as exc:
         names = shipped_names()
         hint = f" (shipped configs: {', '.join(names)})" if names and config is not None and not config.exists() else ""
@@ -594,6 +602,73 @@ def monitor(
     except (OSError, TimeoutError, NatsError) as exc:
         _bus_gone(url, exc)
     raise typer.Exit(code)
+
+
+DASHBOARD_PORT = 8265  # chorus dashboard's default; taken: the next free one
+
+
+async def _dashboard(cfg: ChorusConfig, url: str | None, host: str, port: int, run_dir: Path | None) -> int:
+    import signal
+
+    from shared.launcher.dashboard import Dashboard
+
+    dash = Dashboard(cfg, url, host=host, port=port, run_dir=run_dir)
+    try:
+        await dash.start()
+    except OSError as exc:
+        err.print(f"[red]error:[/] cannot listen on {host}:{port}: {exc}", highlight=False)
+        return 2
+    where = run_dir if run_dir is not None else cfg.run_dir
+    console.print(f"dashboard of run {cfg.run.id} at {dash.address} "
+                  f"({'live from ' + url + ' and ' if url else ''}{where}); Ctrl-C stops it", highlight=False)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await dash.close()
+    return 0
+
+
+@app.command()
+def dashboard(
+    target: Annotated[Path | None, typer.Argument(
+        help="a run directory (runs/<run-id>) or a run config")] = None,
+    config: Annotated[Path | None, typer.Option("--config", "-c", help="run config YAML")] = None,
+    nats: NatsOpt = None,
+    run: RunOpt = None,
+    port: Annotated[int | None, typer.Option("--port", help=f"port of the page (default {DASHBOARD_PORT}, or the "
+                                                             "next free one; 0: any free port)")] = None,
+    host: Annotated[str, typer.Option("--host", help="address to listen on (loopback by default: the page shows "
+                                                     "what the agents said)")] = "127.0.0.1",
+    offline: Annotated[bool, typer.Option("--offline", help="the run directory only: do not connect to NATS")] = False,
+) -> None:
+    """A page in the browser for a run: every model's curves, queues, throughput, scheduler, pool and the agents'
+    trajectories; live from the bus while the run is (as the read-only observer), from the run directory after."""
+    cfg = _load(run_dir_config(target, config, "dashboard"), run)
+    url = None if offline else (nats or cfg.nats.url)
+    run_dir = target if target is not None and target.is_dir() else None
+    setup_logging(json=False, level="ERROR")
+    raise typer.Exit(asyncio.run(_dashboard(cfg, url, host, _free_dashboard_port(host) if port is None else port,
+                                            run_dir)))
+
+
+def _free_dashboard_port(host: str) -> int:
+    """DASHBOARD_PORT, or the next of the 50 after it that is free (0, any port, when none is)."""
+    return next((p for p in range(DASHBOARD_PORT, DASHBOARD_PORT + 50) if _port_free(host, p)), 0)
+
+
+def _port_free(host: str, port: int) -> bool:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 @app.command()

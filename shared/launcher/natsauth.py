@@ -72,9 +72,10 @@ def permissions(kind: str) -> Permissions:
                                                                        inbox]
         return Permissions(_unique(publish), _unique(subscribe))
     watch = [names.metrics_all(), names.events_all(), inbox]
-    # what `chorus monitor --raw` shows besides: the samples, the micro-batches and the rejected messages (a
-    # subscriber without a queue group takes nothing from the services, and may answer nothing)
-    data = [names.traj("*"), names.ready("*"), names.dlq("*")]
+    # what `chorus monitor --raw` and `chorus dashboard` show besides: the samples, the micro-batches, the rejected
+    # messages and the sampled episode records (a subscriber without a queue group takes nothing from the services,
+    # and may answer nothing)
+    data = [names.traj("*"), names.ready("*"), names.dlq("*"), names.samples()]
     if kind == "supervisor":  # creates the run, checks that its id is new, watches its events
         return Permissions(_unique([*JS_READ, "$JS.API.STREAM.CREATE.*", "$JS.API.STREAM.UPDATE.*",
                                     "$JS.API.STREAM.LIST", *PING, probe]), _unique(watch))

@@ -35,6 +35,7 @@ from shared.kernel.credentials import PASSWORD_PREFIX, password_env
 from shared.kernel.runbus import run_exists
 from shared.kernel.service import EX_RUN_FAILED, START_WAIT_S
 from shared.kernel.subjects import Names
+from shared.launcher.dashboard import Dashboard, GaugeRecorder
 from shared.launcher.deploy import unique_run_id
 from shared.launcher.localauth import LocalAuth
 from shared.launcher.natsserver import NatsServer
@@ -347,9 +348,11 @@ def check_backends_installed(cfg: ChorusConfig) -> None:
 
 
 async def run_up(config_path: Path | None, *, timeout_s: float | None = None, console: Console | None = None,
-                 resume: Path | None = None, run_id: str | None = None) -> int:
+                 resume: Path | None = None, run_id: str | None = None, dashboard: tuple[str, int] | None = None) -> int:
     """Run a whole config to ``train.max_versions``, or continue the run in directory ``resume``. A new run whose
     id already has streams or buckets on the server is refused (exit 1): resume it, or ``chorus clean`` it.
+    ``dashboard`` (host, port): serve ``chorus dashboard``'s page for the run while it runs. The services' gauges
+    go to ``<run dir>/gauges.jsonl`` every few seconds (the dashboard of the finished run draws them).
     Exit code: 0 done, 1 failure/timeout/refused, 130 interrupted."""
     console = console or make_console()
     started = time.time()
@@ -400,6 +403,9 @@ async def run_up(config_path: Path | None, *, timeout_s: float | None = None, co
         loop.add_signal_handler(sig, on_signal, sig)
     nc: NATS | None = None
     tracker: RunTracker | None = None
+    recorder: GaugeRecorder | None = None
+    dash: Dashboard | None = None
+    background: list[asyncio.Task[None]] = []
     code = 1
     try:
         nc = await connect(url, "chorus-up", timeout_s=cfg.nats.connect_timeout_s, nats_cfg=own_nats,
@@ -430,6 +436,23 @@ async def run_up(config_path: Path | None, *, timeout_s: float | None = None, co
                     console.print(eval_line(ev))
 
         await nc.subscribe(names.events("coordinator"), cb=on_coordinator)
+        recorder = GaugeRecorder(run_dir)
+
+        async def on_metrics(msg: Msg) -> None:
+            with contextlib.suppress(DecodeError):
+                recorder.on_metrics(decode_json(msg.data))
+
+        await nc.subscribe(names.metrics_all(), cb=on_metrics)
+        background.append(asyncio.create_task(_flush_every(recorder, GAUGES_FLUSH_S)))
+        if dashboard is not None:
+            dash = Dashboard(cfg, url, host=dashboard[0], port=dashboard[1], run_dir=run_dir)
+            try:
+                await dash.start()
+                console.print(f"dashboard at {dash.address} (live while the run is; after it: `chorus dashboard "
+                              f"{run_dir}`)", highlight=False)
+            except OSError as exc:
+                console.print(f"[yellow]no dashboard: cannot listen on {dashboard[0]}:{dashboard[1]}: {exc}")
+                dash = None
         code = await _supervise(cfg, nc, kv, sup, tracker, config_file, url, stop, timeout_s, console)
         if code == 0 and cfg.eval.every:
             code = await _await_last_eval(evals, cfg.eval.final_timeout_s, stop, console)
@@ -440,6 +463,13 @@ async def run_up(config_path: Path | None, *, timeout_s: float | None = None, co
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
+        for task in background:
+            task.cancel()
+        await asyncio.gather(*background, return_exceptions=True)
+        if recorder is not None:
+            await asyncio.to_thread(recorder.flush)
+        if dash is not None:
+            await dash.close()
         console.print("stopping services ...")
         codes = await sup.stop_all()
         bad = {k: c for k, c in codes.items() if c not in (0, -signal.SIGTERM)}
@@ -459,6 +489,15 @@ async def run_up(config_path: Path | None, *, timeout_s: float | None = None, co
         console.print(f"`chorus status {run_dir}` reads the results from the run directory once the run's "
                       f"server is gone; `chorus samples {run_dir}` shows what the agents said", highlight=False)
     return code
+
+
+GAUGES_FLUSH_S = 5.0  # gauges.jsonl is appended this often
+
+
+async def _flush_every(recorder: GaugeRecorder, every_s: float) -> None:
+    while True:
+        await asyncio.sleep(every_s)
+        await asyncio.to_thread(recorder.flush)
 
 
 async def _run_exists(nc: NATS, run: str) -> bool:
