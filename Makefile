@@ -10,7 +10,7 @@ CONFIG ?= configs/demo.yaml
 # The extras `make venv` installs. Not ucx: ucxx-cu12 pulls CUDA libraries (make venv-ucx adds it).
 VENV_EXTRAS := dev
 
-.PHONY: compose-test test-hosts chaos venv venv-ucx venv-vllm test-vllm venv-deepspeed test-deepspeed demo test test-long test-cuda test-ucx e2e faults soak lint plot bench docs check-cpu-deps clean
+.PHONY: test-browser compose-test test-hosts chaos venv venv-ucx venv-vllm test-vllm venv-deepspeed test-deepspeed demo test test-long test-cuda test-ucx e2e faults soak lint plot bench docs check-cpu-deps clean
 
 venv: $(STAMP)
 
@@ -89,6 +89,15 @@ test-long: venv
 		tests/faults/test_faults.py::test_a_training_pool_slot_killed_mid_micro_batch_loses_nothing \
 		tests/faults/test_faults.py::test_every_service_kind_and_the_broker_killed_in_one_run
 	CHAOS_MINUTES=5 $(BIN)/pytest -q -p no:cacheprovider -m chaos -s tests/hosts/test_chaos.py
+
+# The dashboard in real browsers (tests marked browser): headless Chromium (Debian's chromium and chromium-driver,
+# driven by selenium) and Firefox (Debian's firefox-esr, over the WebDriver BiDi it speaks itself), installed here
+# with apt (as root) where they are missing. Screenshots: runs/test-artifacts/.
+test-browser: venv
+	command -v chromium >/dev/null && command -v chromedriver >/dev/null && command -v firefox-esr >/dev/null || \
+		{ [ "$$(id -u)" = 0 ] || { echo "test-browser: chromium, chromium-driver or firefox-esr is missing; install them (apt-get install chromium chromium-driver firefox-esr) or run as root"; exit 1; }; \
+		  DEBIAN_FRONTEND=noninteractive apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver firefox-esr; }
+	$(BIN)/pytest -q -p no:cacheprovider -m browser --durations 4 tests/e2e/test_dashboard_browser.py
 
 # docker-compose.yml in a real Docker engine (tests/compose): where none runs, Debian's docker.io is installed and dockerd
 # started (as root) and stopped at the end; where no registry answers, the base images are built locally first. It

@@ -35,6 +35,12 @@ TEXT_CHARS = 16_000  # a response longer than this is cut (its head and tail kep
 Decode = Callable[[str, list[int]], str]
 
 
+def prompt_text(tok: Any, ids: Sequence[int]) -> str:
+    """A prompt's ids as text, every part of it: a chat template ends each message with the EOS id (SmolLM2's
+    ``<|im_end|>``), where a tokenizer's ``decode`` stops, so those ids are left out rather than ended at."""
+    return str(tok.decode([int(i) for i in ids if int(i) != tok.eos_id]))
+
+
 def clip(text: str, limit: int = TEXT_CHARS) -> str:
     if len(text) <= limit:
         return text
@@ -84,7 +90,7 @@ def rollout_record(cfg: ChorusConfig, ep: Episode, rollout: int, *, eval: bool =
             "answer": meta.get("answer"),
             "correct": meta.get("correct"),
             "trained": s is not None,
-            "advantage": float(s.advantage) if s is not None and s.advantage is not None else None,
+            "advantage": float(s.advantage) if s is not None and s.advantage is not None and not eval else None,
         }
         if error:
             row["reward_error"] = str(error)[:1000]

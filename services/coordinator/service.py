@@ -19,7 +19,7 @@ from services.coordinator.generated import GeneratedTokens
 from services.coordinator.keepbest import BestKeeper
 from services.coordinator.marft import HeldBatch, apply_gae, critic_rows, rollouts
 from services.coordinator.routing import RolloutRouter
-from services.coordinator.samples import SampleWriter, dumps, episode_records
+from services.coordinator.samples import SampleWriter, dumps, episode_records, prompt_text
 from services.coordinator.tasks import Task, TaskSource, heldout_tasks
 from services.coordinator.workflows import (
     Abandon,
@@ -531,7 +531,7 @@ class CoordinatorService(Service):
             return
         try:
             toks = {m: await self.tokenizers.get(m) for m in sorted({s.model for s in ep.samples})}
-            records = episode_records(self.cfg, ep, (0,), eval=eval, decode=lambda m, ids: toks[m].decode(ids))
+            records = episode_records(self.cfg, ep, (0,), eval=eval, decode=lambda m, ids: prompt_text(toks[m], ids))
             self._samples.extend(dumps(r) for r in records)
         except Exception as exc:  # a record that cannot be built costs that record, never the run
             self.counters["samples_write_errors"] += 1

@@ -507,7 +507,7 @@ async def _monitor(cfg: ChorusConfig, url: str, duration_s: float | None) -> int
     from shared.launcher.progress import MonitorState
 
     names = Names(cfg.run.id)
-    state = MonitorState()
+    state = MonitorState(agents={a: spec.model for a, spec in cfg.agents.items()})
     nc = await asyncio.wait_for(connect(url, "chorus-monitor", timeout_s=cfg.nats.connect_timeout_s,
                                         nats_cfg=cfg.nats, kind="observer"), 30)
 
@@ -588,8 +588,9 @@ def monitor(
         "'metrics.>', 'events.*', 'traj.solver_lm')")] = None,
     count: Annotated[int | None, typer.Option("--count", help="with --raw: stop after this many messages")] = None,
 ) -> None:
-    """Live table of every service's metrics and the latest events, until the run finishes or Ctrl-C (summary
-    lines every 10 s when stdout is not a terminal); with --raw, the messages of one subject."""
+    """Live tables until the run finishes or Ctrl-C: per model its version, reward, held-out pass@1, staleness and
+    mq depth; per service instance what it does and any failure counters; the latest events (summary lines every
+    10 s when stdout is not a terminal). With --raw, the messages of one subject."""
     from nats.errors import Error as NatsError
 
     cfg = _load(config, run)

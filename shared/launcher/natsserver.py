@@ -73,7 +73,8 @@ class NatsServer:
                  log_file: str | os.PathLike[str] | None = None, server_name: str | None = None,
                  routes: Routes | None = None, monitor_port: int | None = None, tls: Tls | None = None,
                  include: str | os.PathLike[str] | None = None, tags: tuple[str, ...] = (),
-                 auth: str | None = None, env: dict[str, str] | None = None, sync_always: bool = False) -> None:
+                 auth: str | None = None, env: dict[str, str] | None = None, sync_always: bool = False,
+                 websocket_port: int | None = None) -> None:
         self.store_dir = Path(store_dir)
         self.port = port or free_port()
         self.max_payload_mb = max_payload_mb
@@ -87,11 +88,16 @@ class NatsServer:
         self.auth = auth  # an authorization config's text (accounts and users), written beside the server's config
         self.env = env  # extra environment of the server (the passwords auth.conf reads)
         self.sync_always = sync_always  # fsync every JetStream write before acknowledging it
+        self.websocket_port = websocket_port  # a WebSocket listener on loopback (browsers, nats.ws), same users
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
         return f"{'tls' if self.tls else 'nats'}://127.0.0.1:{self.port}"
+
+    @property
+    def websocket_url(self) -> str | None:
+        return f"ws://127.0.0.1:{self.websocket_port}" if self.websocket_port else None
 
     def config_text(self) -> str:
         text = (f"listen: 127.0.0.1:{self.port}\n"
@@ -104,6 +110,8 @@ class NatsServer:
             text += f"server_tags: [{', '.join(self.tags)}]\n"
         if self.monitor_port:
             text += f"http: 127.0.0.1:{self.monitor_port}\n"
+        if self.websocket_port:
+            text += f"websocket {{\n  listen: \"127.0.0.1:{self.websocket_port}\"\n  no_tls: true\n}}\n"
         if self.routes is not None:
             routes = ", ".join(f"nats-route://127.0.0.1:{p}" for p in self.routes.ports if p != self.routes.port)
             route_tls = "  " + self.tls.block(verify=True).rstrip().replace("\n", "\n  ") + "\n" if self.tls else ""

@@ -7,9 +7,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from rich.console import Console
+from rich.console import Console, Group
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from shared.kernel import events
 
@@ -147,22 +148,69 @@ class ProgressView:
             self.progress.update(task, completed=min(p.version, self.tracker.max_versions), reward=reward)
 
 
+# Counters that count a normal start-up or a wait, not a failure, whatever their names say: requests sent before any
+# rollouter answered, an instance waiting for the first sync, a paramsync that listed no instance yet, the pacing of
+# admissions. `chorus monitor` never lists them as problems.
+ROUTINE_COUNTERS = frozenset({"gen_no_responders", "gen_unrouted", "join_waits_for_sync", "empty_listings",
+                              "backpressure_waits", "tasks_paced", "coalesced", "in_progress_sent", "requeued"})
+PROBLEM_WORDS = ("error", "fail", "timeout", "dead", "invalid", "reject", "lost", "nonfinite", "dlq", "crash",
+                 "refused", "not_written", "skipped")
+MONITOR_EVENTS = 6  # the latest events under the tables
+# The fields an event line shows for the frequent kinds (others: every plain field).
+EVENT_FIELDS = {events.STEP: ("version", "samples", "reward_mean", "staleness_mean", "loss"),
+                events.EVAL: ("version", "final", "n", "last"),
+                events.DROP: ("reason", "count")}
+
+
+def problem_counters(counters: Any) -> dict[str, int]:
+    """The counters of a metrics message that count something gone wrong (non-zero, not a routine one)."""
+    if not isinstance(counters, dict):
+        return {}
+    return {k: v for k, v in counters.items() if isinstance(v, int) and v > 0 and k not in ROUTINE_COUNTERS
+            and any(w in k for w in PROBLEM_WORDS)}
+
+
+def _fmt(v: Any, digits: int = 3) -> str:
+    if isinstance(v, bool) or v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.{digits}f}"
+    return str(v)
+
+
 @dataclass
 class MonitorState:
-    """Latest metrics per service instance and the last few events, for ``chorus monitor``."""
+    """Latest metrics per service instance, per model its training state, and the last few events, for
+    ``chorus monitor``: fixed columns, one screen."""
 
     metrics: dict[str, dict[str, Any]] = field(default_factory=dict)
     events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
-    keep_events: int = 8
+    keep_events: int = MONITOR_EVENTS
+    models: dict[str, dict[str, Any]] = field(default_factory=dict)  # model -> version, reward, staleness
+    heldout: dict[str, Any] = field(default_factory=dict)  # the latest evaluation
+    agents: dict[str, str] = field(default_factory=dict)  # agent -> its model (held-out pass@1 per model)
 
     def on_metrics(self, subject: str, data: Any) -> None:
         if isinstance(data, dict):
             self.metrics[subject.rsplit(".", 2)[-2] + "." + subject.rsplit(".", 1)[-1]] = data
+            model = data.get("model")
+            if data.get("service") == "trainer" and isinstance(model, str) and isinstance(data.get("version"), int):
+                m = self.models.setdefault(model, {})
+                m["version"] = max(m.get("version", 0), data["version"])
 
     def on_event(self, subject: str, data: Any) -> None:
-        if isinstance(data, dict):
-            self.events.append((subject.rsplit(".", 1)[-1], data))
-            del self.events[: -self.keep_events]
+        if not isinstance(data, dict):
+            return
+        kind, model = data.get("kind"), data.get("model")
+        if kind == events.STEP and isinstance(model, str):
+            m = self.models.setdefault(model, {})
+            if isinstance(data.get("version"), int) and data["version"] >= m.get("version", 0):
+                m.update(version=data["version"], reward=data.get("reward_mean"),
+                         staleness=data.get("staleness_mean"), staleness_max=data.get("staleness_max"))
+        if kind == events.EVAL:
+            self.heldout = data
+        self.events.append((subject.rsplit(".", 1)[-1], data))
+        del self.events[: -self.keep_events]
 
     def line(self) -> str:
         """A summary for a stdout that is not a terminal: instances reporting and the latest event."""
@@ -174,24 +222,87 @@ class MonitorState:
             last = f"; last event {service} {ev.get('kind')}" + (f" ({ev['model']})" if ev.get("model") else "")
         return f"monitor: {len(fresh)} service instance(s) reporting: {', '.join(fresh) or 'none'}{last}"
 
-    def table(self) -> Table:
-        t = Table(title="Chorus services", expand=True)
-        for col in ("service.instance", "model", "uptime s", "age s", "counters / gauges"):
-            t.add_column(col)
+    def _mq(self, model: str) -> dict[str, Any]:
+        return next((m for m in self.metrics.values() if m.get("service") == "mq" and m.get("model") == model), {})
+
+    def _heldout(self, model: str) -> str:
+        """The latest evaluation's pass@1 of the agents of ``model`` ("solver 0.417")."""
+        pass1 = self.heldout.get("pass1")
+        if not isinstance(pass1, dict):
+            return "-"
+        mine = [a for a in sorted(pass1) if self.agents.get(a) == model and isinstance(pass1[a], int | float)]
+        return ", ".join(f"{a} {pass1[a]:.3f}" for a in mine) or "-"
+
+    def model_table(self) -> Table:
+        t = Table(title="models", title_justify="left")
+        for col in ("model", "version", "reward", "held-out pass@1", "final", "staleness", "max", "mq depth", "held"):
+            t.add_column(col, justify="left" if col in ("model", "held-out pass@1") else "right", no_wrap=True)
+        final = self.heldout.get("final")
+        final_text = f"{final:.3f} (v{self.heldout.get('version')})" if isinstance(final, int | float) else "-"
+        models = sorted(set(self.models) | {str(m.get("model")) for m in self.metrics.values()
+                                            if m.get("service") in ("mq", "trainer") and m.get("model")})
+        for model in models:
+            m, mq = self.models.get(model, {}), self._mq(model)
+            t.add_row(model, _fmt(m.get("version")), _fmt(m.get("reward")), self._heldout(model), final_text,
+                      _fmt(m.get("staleness"), 2), _fmt(m.get("staleness_max")), _fmt(mq.get("depth")),
+                      _fmt(mq.get("held")))
+        return t
+
+    def service_table(self) -> Table:
+        t = Table(title="services", title_justify="left")
+        for col in ("service.instance", "model", "up s", "age s", "state", "problems"):
+            t.add_column(col, justify="right" if col in ("up s", "age s") else "left", no_wrap=col != "problems",
+                         max_width=60 if col == "problems" else None)
         now = time.time()
         for key in sorted(self.metrics):
             m = self.metrics[key]
-            extra = {k: v for k, v in m.items()
-                     if k not in ("service", "instance", "model", "run", "time", "uptime_s", "counters")}
-            fields = {**(m.get("counters") or {}), **extra}
-            shown = ", ".join(f"{k}={_short(v)}" for k, v in sorted(fields.items()))
-            age = now - float(m.get("time", now))
-            t.add_row(key, str(m.get("model") or ""), f"{m.get('uptime_s', 0):.0f}", f"{age:.1f}", shown)
-        for service, ev in self.events:
-            detail = ", ".join(f"{k}={_short(v)}" for k, v in ev.items()
-                               if k not in ("kind", "sample_ids", "time", "instance"))
-            t.add_row(f"[dim]event {service}", str(ev.get("model") or ""), "", "", f"[dim]{ev.get('kind')}: {detail}")
+            problems = problem_counters(m.get("counters"))
+            t.add_row(key, str(m.get("model") or ""), f"{m.get('uptime_s', 0):.0f}", f"{now - float(m.get('time', now)):.1f}",
+                      service_state(m), ", ".join(f"{k} {v}" for k, v in sorted(problems.items())) or "-",
+                      style="red" if problems else None)
         return t
+
+    def event_lines(self) -> list[str]:
+        out = []
+        for service, ev in self.events[-self.keep_events:]:
+            when = time.strftime("%H:%M:%S", time.localtime(float(ev.get("time") or time.time())))
+            shown = EVENT_FIELDS.get(str(ev.get("kind")))
+            detail = ", ".join(f"{k}={_short(v)}" for k, v in ev.items()
+                               if (k in shown if shown else k not in ("kind", "sample_ids", "time", "instance", "model"))
+                               and not isinstance(v, dict | list))
+            out.append(f"{when} {service} {ev.get('kind')}" + (f" ({ev['model']})" if ev.get("model") else "")
+                       + (f": {detail}" if detail else ""))
+        return out
+
+    def table(self) -> Group:
+        lines = self.event_lines()
+        return Group(self.model_table(), self.service_table(),
+                     Text("latest events" + ("" if lines else ": none yet"), style="bold"),
+                     *(Text(line, no_wrap=True, overflow="ellipsis") for line in lines))
+
+
+def service_state(m: dict[str, Any]) -> str:
+    """A few words on what one instance is doing, by service kind (no raw dicts)."""
+    service = m.get("service")
+    c = m.get("counters") if isinstance(m.get("counters"), dict) else {}
+    if service == "trainer":
+        return f"v{_fmt(m.get('version'))}, {_fmt(c.get('samples', 0))} samples, commit {_fmt(m.get('commit_s'), 2)} s"
+    if service == "rollouter":
+        return (f"v{_fmt(m.get('version'))}, {'routing' if m.get('routing') else 'not routing'}, "
+                f"{_fmt(m.get('tokens_per_s'), 0)} tok/s, {_fmt(m.get('queued'))} queued")
+    if service == "mq":
+        return f"depth {_fmt(m.get('depth'))}, held {_fmt(m.get('held'))}, {_fmt(c.get('dispatched', 0))} dispatched"
+    if service == "coordinator":
+        return (f"{_fmt(c.get('tasks_done', 0))} tasks done, {_fmt(m.get('in_flight'))} in flight, "
+                f"{'admitting' if m.get('admitting') else 'not admitting'}")
+    if service == "paramsync":
+        return f"synced v{_fmt(m.get('synced_version'))}, {_fmt(c.get('syncs', 0))} syncs"
+    if service == "actions":
+        return (f"{_fmt(m.get('busy_cores'))}/{_fmt(m.get('cores'))} cores busy, {_fmt(m.get('queue_len'))} queued, "
+                f"{_fmt(c.get('actions', 0))} actions")
+    if service == "critic":
+        return f"v{_fmt(m.get('version'))}"
+    return "-"
 
 
 def _short(v: Any) -> str:

@@ -38,7 +38,7 @@ from shared.kernel.subjects import Names
 from shared.launcher.dashboard import Dashboard, GaugeRecorder
 from shared.launcher.deploy import unique_run_id
 from shared.launcher.localauth import LocalAuth
-from shared.launcher.natsserver import NatsServer
+from shared.launcher.natsserver import NatsServer, free_port
 from shared.launcher.progress import ProgressView, RunTracker, make_console
 from shared.launcher.runfiles import write_summary
 from shared.launcher.views import eval_line, report_tables
@@ -378,10 +378,11 @@ async def run_up(config_path: Path | None, *, timeout_s: float | None = None, co
         server = NatsServer(run_dir / "nats", max_payload_mb=cfg.nats.max_payload_mb,
                             port=_port_of(url) if resume is not None else None,
                             auth=auth.conf() if auth else None, env=auth.server_env() if auth else None,
-                            sync_always=cfg.nats.sync_always)
+                            sync_always=cfg.nats.sync_always, websocket_port=free_port())
         server.start()
         url = server.url
-        console.print(f"embedded nats-server at {url} (log {server.log_file})")
+        console.print(f"embedded nats-server at {url} (WebSocket {server.websocket_url}; log {server.log_file})",
+                      highlight=False)
         if auth is not None:
             auth.apply(cfg, run_dir)
             own_nats = auth.as_kind(cfg.nats, "supervisor")

@@ -12,12 +12,14 @@ from services.coordinator.samples import (
     SampleWriter,
     dumps,
     episode_records,
+    prompt_text,
     rollout_record,
 )
 from services.coordinator.tasks import Task
 from services.coordinator.workflows.api import GenResult
 from services.coordinator.workflows.episode import to_episode
 from shared.kernel.config import ChorusConfig
+from shared.models.tokenizer import ByteTokenizer
 
 
 def _cfg(**reward: object) -> ChorusConfig:
@@ -69,6 +71,8 @@ def test_a_record_holds_the_task_and_each_turns_prompt_tail_response_reward_and_
         "time": 12.5, "task_id": "t7", "rollout": 1, "question": "2+3=", "reference": "5",
         "versions": {"solver_lm": 3, "verifier_lm": 4}, "eval": False}
     solver, verifier = rec["turns"]
+    advantages = {(s.episode, s.turn): s.advantage for s in ep.samples}
+    assert solver.pop("advantage") == advantages[("t7/1", 0)] and verifier["advantage"] == advantages[("t7/1", 1)]
     assert solver == {"turn": 0, "agent": "solver", "model": "solver_lm", "version": 3,
                       "prompt_tail": "<solver_lm>SYS 2+3=", "response": "4 no", "reward": 0.45, "answer": "4",
                       "correct": False, "trained": True}
@@ -84,6 +88,14 @@ def test_a_record_holds_the_task_and_each_turns_prompt_tail_response_reward_and_
     assert json.loads(dumps(rec)) == rec
     assert [r["rollout"] for r in episode_records(cfg, ep, (0, 1, 5), eval=True)] == [0, 1]
     assert episode_records(cfg, ep, (0,), eval=True)[0]["eval"] is True
+    assert all(t["advantage"] is None for t in episode_records(cfg, ep, (0,), eval=True)[0]["turns"])  # not trained
+
+
+def test_a_prompt_tail_reads_past_the_eos_that_ends_each_chat_message():
+    tok = ByteTokenizer()
+    ids = [*tok.encode("system: be brief", bos=False), tok.eos_id, *tok.encode("user: 2+3=", bos=False), tok.eos_id]
+    assert tok.decode(ids) == "system: be brief"  # decode stops at the first EOS, as generation does
+    assert prompt_text(tok, ids) == "system: be briefuser: 2+3="
 
 
 def test_shaped_rewards_are_the_samples_and_a_failed_reward_is_reported_not_scored():

@@ -221,8 +221,9 @@ async def test_a_batch_waits_for_every_rollout_but_not_for_one_busy_elsewhere():
     assert sizes == [3]
     t0 = time.monotonic()
     await asyncio.gather(*(rollout(r, 0) for r in (0, 1)), rollout(2, 0.5))
-    # Rollouts 0 and 1 went out after the window instead of waiting for 2's sleep.
-    assert sizes[1:] == [2, 1] and time.monotonic() - t0 >= 0.5
+    # Rollouts 0 and 1 went out after the window instead of waiting for 2's sleep (asyncio may end a sleep up to
+    # its clock's resolution early: the bound has a margin).
+    assert sizes[1:] == [2, 1] and time.monotonic() - t0 >= 0.45
 
 
 # --- the workflow section of the config ----------------------------------------------------------------------
