@@ -38,7 +38,8 @@ class Firefox:
             except OSError:
                 if time.monotonic() > deadline or self.proc.poll() is not None:
                     self.close()
-                    raise AssertionError(f"firefox did not open its WebDriver BiDi port within {start_timeout_s}s")
+                    raise AssertionError(f"firefox did not open its WebDriver BiDi port within {start_timeout_s}s") \
+                        from None
                 time.sleep(0.2)
         self.n = 0
         self.log: list[dict[str, Any]] = []

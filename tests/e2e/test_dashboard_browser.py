@@ -19,8 +19,8 @@ import pytest
 from shared.launcher.natsserver import free_port
 from tests.conftest import ROOT
 from tests.e2e.browser import ARTIFACTS, chromium, console_errors, screenshot
-from tests.e2e.firefox import Firefox
 from tests.e2e.conftest import small_run_config
+from tests.e2e.firefox import Firefox
 from tests.waits import wait_until_sync
 
 pytestmark = [pytest.mark.e2e, pytest.mark.browser]
