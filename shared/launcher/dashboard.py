@@ -86,6 +86,11 @@ def compact_gauge(m: Mapping[str, Any]) -> dict[str, Any] | None:
             "time": _num(m.get("time")) or time.time(), **{k: v for k, v in out.items() if v is not None}}
 
 
+def slots_moved(before: Mapping[str, Any], now: Mapping[str, Any]) -> bool:
+    """Whether a training pool's slots changed hands: such a gauge is kept whatever the interval (the timeline)."""
+    return "slots" in now and before.get("slots") != now["slots"]
+
+
 def gauge_key(g: Mapping[str, Any]) -> str:
     model = g.get("model")
     return f"{g['service']}.{model}-{g['instance']}" if model else f"{g['service']}.{g['instance']}"
@@ -208,7 +213,7 @@ class DashState:
             return []
         key = gauge_key(g)
         points = self.gauges.setdefault(key, [])
-        if points and g["time"] - points[-1]["time"] < every_s:
+        if points and g["time"] - points[-1]["time"] < every_s and not slots_moved(points[-1], g):
             return []
         points.append(dict(g))
         if len(points) > 2 * MAX_POINTS:
@@ -309,6 +314,7 @@ class GaugeRecorder:
         self.path = Path(run_dir) / GAUGES_FILE
         self.every_s = every_s
         self.last: dict[str, float] = {}
+        self.slots: dict[str, Mapping[str, Any]] = {}  # the last pool gauge written, per instance
         self.pending: list[str] = []
         self.errors = 0
 
@@ -317,9 +323,11 @@ class GaugeRecorder:
         if g is None:
             return
         key = gauge_key(g)
-        if g["time"] - self.last.get(key, 0.0) < self.every_s:
+        if g["time"] - self.last.get(key, 0.0) < self.every_s and not slots_moved(self.slots.get(key, {}), g):
             return
         self.last[key] = g["time"]
+        if "slots" in g:
+            self.slots[key] = g
         self.pending.append(json.dumps(g, separators=(",", ":"), default=str))
 
     def flush(self) -> None:

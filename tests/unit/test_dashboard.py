@@ -111,6 +111,19 @@ def test_the_gauge_recorder_writes_one_line_per_instance_per_interval(tmp_path: 
     state = _state()
     load_run_dir(state, tmp_path)
     assert sorted(state.gauges) == ["mq.a-0", "mq.b-0"]
+    # a pool's slots changing hands is kept at once, for its timeline
+    rec = GaugeRecorder(tmp_path / "pool", every_s=5.0)
+    (tmp_path / "pool").mkdir()
+    for t, holders in ((100.0, ["a", None]), (100.5, ["a", None]), (101.0, ["b", None]), (101.5, ["b", "a"])):
+        rec.on_metrics({"service": "trainer", "instance": "0", "time": t, "pool": {"slots": [{"holder": h}
+                                                                                            for h in holders]}})
+    rec.flush()
+    kept = [json.loads(x)["slots"] for x in (tmp_path / "pool" / "gauges.jsonl").read_text().splitlines()]
+    assert kept == [["a", None], ["b", None], ["b", "a"]]
+    state = _state()
+    for t, holders in ((1.0, ["a"]), (1.1, ["a"]), (1.2, ["b"])):
+        state.on_gauge({"service": "trainer", "instance": "0", "time": t, "slots": holders})
+    assert [p["slots"] for p in state.gauges["trainer.0"]] == [["a"], ["b"]]
 
 
 def test_the_feed_counts_bad_messages_and_takes_every_line_of_a_samples_message() -> None:
