@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shared.results.promexport import read_request
+
 STATIC = Path(__file__).with_name("dashboard_static")
 MAX_POINTS = 1500  # points per series in /api/state; the page decimates the same way as updates arrive
 RECENT = 300  # the newest points of a series are never decimated
@@ -434,9 +436,7 @@ async def serve(feed: Feed, host: str, port: int) -> asyncio.Server:
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            request = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
-            method, target, *_ = request.split(b"\r\n", 1)[0].decode("latin-1").split(" ") + ["", ""]
-            path = target.split("?", 1)[0]
+            method, path = await read_request(reader)
             if method != "GET":
                 await _respond(writer, "405 Method Not Allowed", "text/plain", b"GET only\n")
             elif path == "/api/stream":

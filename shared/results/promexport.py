@@ -94,14 +94,19 @@ class Latest:
         return "\n".join(lines) + "\n"
 
 
+async def read_request(reader: asyncio.StreamReader, timeout_s: float = 10.0) -> tuple[str, str]:
+    """The method and path (query string left out) of an HTTP/1.1 request; its headers are read and ignored."""
+    request = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout_s)
+    method, target, *_ = request.split(b"\r\n", 1)[0].decode("latin-1").split(" ") + ["", ""]
+    return method, target.split("?", 1)[0]
+
+
 async def serve_http(latest: Latest, host: str, port: int) -> asyncio.Server:
     """An HTTP/1.1 server answering ``GET /metrics`` (everything else: 404); one response per connection."""
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            request = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
-            method, target, *_ = request.split(b"\r\n", 1)[0].decode("latin-1").split(" ") + ["", ""]
-            path = target.split("?", 1)[0]
+            method, path = await read_request(reader)
             if method not in ("GET", "HEAD"):
                 status, ctype, body = "405 Method Not Allowed", "text/plain", b"GET /metrics\n"
             elif path == "/metrics":

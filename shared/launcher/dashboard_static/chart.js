@@ -42,13 +42,20 @@ const ChorusChart = (() => {
 
     set(series) { this.series = series; this.dirty = true; }
 
-    frame() {
+    // A cleared canvas at the device's pixel ratio: its context and CSS size; null when nothing changed.
+    begin() {
+      if (!this.dirty) return null;
+      this.dirty = false;
       const c = this.canvas, dpr = window.devicePixelRatio || 1;
       const w = c.clientWidth, h = c.clientHeight;
       if (c.width !== Math.round(w * dpr) || c.height !== Math.round(h * dpr)) {
         c.width = Math.round(w * dpr); c.height = Math.round(h * dpr);
       }
-      return { w, h, dpr };
+      const g = c.getContext("2d");
+      g.setTransform(dpr, 0, 0, dpr, 0, 0);
+      g.clearRect(0, 0, w, h);
+      g.font = "11px system-ui, sans-serif";
+      return { g, w, h };
     }
 
     bounds() {
@@ -67,13 +74,9 @@ const ChorusChart = (() => {
     }
 
     draw() {
-      if (!this.dirty) return;
-      this.dirty = false;
-      const { w, h, dpr } = this.frame();
-      const g = this.canvas.getContext("2d");
-      g.setTransform(dpr, 0, 0, dpr, 0, 0);
-      g.clearRect(0, 0, w, h);
-      g.font = "11px system-ui, sans-serif";
+      const frame = this.begin();
+      if (!frame) return;
+      const { g, w, h } = frame;
       const b = this.bounds();
       this.b = b; this.w = w; this.h = h;
       if (!b) {
@@ -166,13 +169,9 @@ const ChorusChart = (() => {
     set(rows) { this.rows = rows; this.dirty = true; }
 
     draw() {
-      if (!this.dirty) return;
-      this.dirty = false;
-      const { w, h, dpr } = this.frame();
-      const g = this.canvas.getContext("2d");
-      g.setTransform(dpr, 0, 0, dpr, 0, 0);
-      g.clearRect(0, 0, w, h);
-      g.font = "11px system-ui, sans-serif";
+      const frame = this.begin();
+      if (!frame) return;
+      const { g, w, h } = frame;
       const rows = this.rows || { slots: [], t0: 0, t1: 1, colors: {} };
       if (!rows.slots.length) { g.fillStyle = "#8a8f99"; g.fillText("no training pool", PAD.l, h / 2); return; }
       const X = (t) => PAD.l + (t - rows.t0) / Math.max(1e-9, rows.t1 - rows.t0) * (w - PAD.l - PAD.r);
