@@ -46,6 +46,73 @@ def step_advantages(held: Sequence[Sample], token: bool) -> list[Any]:
     return normalise_advantages(adv).tolist()
 
 
+def selection(learner: Learner, held: Sequence[Sample]
+              ) -> tuple[list[int], dict[str, list[str]], dict[str, str], dict[str, float]]:
+    """Which of ``held`` the step trains (none in the critic's warm-up; the selected agent's alone, agent by
+    agent), the others by reason with the reason in words, and the step's ``marft_agent`` statistic."""
+    mc = learner.marft_cfg
+    selected = agent_to_train(learner.version, mc.agent_interval, len(learner.marft_agents))
+    agent = None if selected is None else learner.marft_agents[selected]
+    untrained: dict[str, list[str]] = {}
+    why: dict[str, str] = {}
+    stats: dict[str, float] = {"marft_agent": -1.0 if selected is None else float(selected)}
+    if learner.version < mc.warmup:
+        untrained["critic_warmup"] = [s.sample_id for s in held]
+        why["critic_warmup"] = f"critic warm-up: version {learner.version} < marft.warmup {mc.warmup}"
+        return [], untrained, why, stats
+    train_idx = [i for i, s in enumerate(held) if agent is None or s.agent == agent]
+    others = [s.sample_id for s in held if agent is not None and s.agent != agent]
+    if others:
+        untrained["marft_agent"] = others
+        why["marft_agent"] = (f"agent-by-agent: version {learner.version} trains agent {agent!r} "
+                              f"((v // {mc.agent_interval}) % {len(learner.marft_agents)} = {selected})")
+    return train_idx, untrained, why, stats
+
+
+def settings_of(learner: Learner, samples: Sequence[Sample], token: bool
+                ) -> tuple[LossSettings, float, list[int] | None]:
+    """The loss settings of a step over ``samples`` (its mean over their actions, or over their tokens in
+    MARFT-T), their response tokens, and each one's word count where actions are normalised by words."""
+    mc = learner.marft_cfg
+    total_tokens = float(sum(int(s.response_ids.shape[0]) for s in samples))
+    words = None
+    if mc.action_norm == "word":
+        words = [max(1, len(learner.tokenizer.decode(s.response_ids.numpy().tolist()).split())) for s in samples]
+    settings = LossSettings(clip_eps=learner.clip_eps, denominator=max(total_tokens, 1.0) if token else
+                            float(len(samples)), action_norm=mc.action_norm)
+    return settings, total_tokens, words
+
+
+def sub_batch(learner: Learner, batch: Any, advantages: Sequence[Any], words: Sequence[int] | None,
+              settings: LossSettings, total_tokens: float, token: bool) -> tuple[torch.Tensor, float, dict[str, float]]:
+    """One sub-batch of a MARFT step: its loss (with the entropy bonus and a KL-to-reference term as means over
+    the step's ``total_tokens``), its part of the trust region's KL sum, and its statistics."""
+    from services.trainer.learner import token_layout
+
+    logp = learner._logprobs(learner.scorer, batch)
+    mask = batch.loss_mask.to(logp.dtype)
+    w = None if words is None else torch.as_tensor(list(words), device=logp.device)
+    a = token_layout(list(advantages), batch.loss_mask)
+    loss, part = learner.policy_loss(PolicyBatch(logp, batch.logp_behav, a, mask, words=w), settings)
+    ref = learner._reference_logprobs(batch) if learner.kl_loss else None
+    loss = regularised(loss, part, mask, "token-mean", max(total_tokens, 1.0), entropy=learner.scorer.last_entropy,
+                       entropy_coef=learner.entropy_coef, logp=logp, logp_ref=ref, kl_coef=learner.kl_coef,
+                       kl_estimator=learner.kl_estimator)
+    if learner.marft_cfg.kl_level == "action" and not token:  # k3 of each action's log-ratio, over its actions
+        kl = part["approx_kl"] * len(advantages)
+    elif token:  # MARFT-T: its actions are the tokens
+        kl = part["approx_kl"] * part["tokens"]
+    else:  # marft.kl_level token under MARFT-A: k3 of each token's log-ratio
+        kl = float(token_k3(logp.detach(), batch.logp_behav, mask)) * part["tokens"]
+    return loss, kl, {k: v for k, v in part.items() if k != "approx_kl"}
+
+
+def step_kl(learner: Learner, kl_sum: float, n: int, total_tokens: float, token: bool) -> float:
+    """The trust region's approximate KL of a step: a mean over its actions (the listing) or its tokens."""
+    action_kl = learner.marft_cfg.kl_level == "action" and not token
+    return kl_sum / max(float(n) if action_kl else total_tokens, 1.0)
+
+
 def marft_step(learner: Learner) -> StepResult:
     """MARFT's step of ``learner`` over the samples it holds (see the module's docstring)."""
     from services.trainer.learner import StepResult
@@ -55,22 +122,7 @@ def marft_step(learner: Learner) -> StepResult:
     mc = learner.marft_cfg
     token = mc.variant == "token"
     adv = step_advantages(held, token)
-    selected = agent_to_train(learner.version, mc.agent_interval, len(learner.marft_agents))
-    agent = None if selected is None else learner.marft_agents[selected]
-    untrained: dict[str, list[str]] = {}
-    why: dict[str, str] = {}
-    stats: dict[str, float] = {"marft_agent": -1.0 if selected is None else float(selected)}
-    if learner.version < mc.warmup:
-        train_idx: list[int] = []
-        untrained["critic_warmup"] = [s.sample_id for s in held]
-        why["critic_warmup"] = f"critic warm-up: version {learner.version} < marft.warmup {mc.warmup}"
-    else:
-        train_idx = [i for i, s in enumerate(held) if agent is None or s.agent == agent]
-        others = [s.sample_id for i, s in enumerate(held) if agent is not None and s.agent != agent]
-        if others:
-            untrained["marft_agent"] = others
-            why["marft_agent"] = (f"agent-by-agent: version {learner.version} trains agent {agent!r} "
-                                  f"((v // {mc.agent_interval}) % {len(learner.marft_agents)} = {selected})")
+    train_idx, untrained, why, stats = selection(learner, held)
     loss_sum, kl = 0.0, 0.0
     if train_idx:
         loss_sum, kl, parts = accumulate(learner, [held[i] for i in train_idx], [adv[i] for i in train_idx], token)
@@ -98,37 +150,14 @@ def accumulate(learner: Learner, samples: Sequence[Sample], advantages: Sequence
     sample, or one array per sample in MARFT-T), sub-batch by sub-batch; returns (loss, the trust region's
     approximate KL over all of them, per-sub-batch statistics). The loss is the mean over the actions (MARFT-A) or
     the tokens (MARFT-T) of all ``samples``; the entropy bonus and a KL-to-reference term are token means."""
-    from services.trainer.learner import token_layout
-
-    mc = learner.marft_cfg
-    n = len(samples)
-    total_tokens = float(sum(int(s.response_ids.shape[0]) for s in samples))
-    words = None
-    if mc.action_norm == "word":
-        words = [max(1, len(learner.tokenizer.decode(s.response_ids.numpy().tolist()).split())) for s in samples]
-    settings = LossSettings(clip_eps=learner.clip_eps, denominator=max(total_tokens, 1.0) if token else float(n),
-                            action_norm=mc.action_norm)
-    action_kl = mc.kl_level == "action" and not token
+    settings, total_tokens, words = settings_of(learner, samples, token)
     loss_sum, kl_sum = 0.0, 0.0
     parts: list[dict[str, float]] = []
     for idx, batch in learner._batches(samples):
-        logp = learner._logprobs(learner.scorer, batch)
-        mask = batch.loss_mask.to(logp.dtype)
-        w = None if words is None else torch.as_tensor([words[i] for i in idx], device=logp.device)
-        a = token_layout([advantages[i] for i in idx], batch.loss_mask)
-        loss, part = learner.policy_loss(PolicyBatch(logp, batch.logp_behav, a, mask, words=w), settings)
-        ref = learner._reference_logprobs(batch) if learner.kl_loss else None
-        loss = regularised(loss, part, mask, "token-mean", max(total_tokens, 1.0), entropy=learner.scorer.last_entropy,
-                           entropy_coef=learner.entropy_coef, logp=logp, logp_ref=ref, kl_coef=learner.kl_coef,
-                           kl_estimator=learner.kl_estimator)
-        if action_kl:  # the loss's own estimate: k3 of each action's log-ratio, a mean over this sub-batch's actions
-            kl_sum += part["approx_kl"] * len(idx)
-        elif token:  # MARFT-T: its actions are the tokens
-            kl_sum += part["approx_kl"] * part["tokens"]
-        else:  # marft.kl_level token under MARFT-A: k3 of each token's log-ratio
-            kl_sum += float(token_k3(logp.detach(), batch.logp_behav, mask)) * part["tokens"]
+        loss, kl, part = sub_batch(learner, batch, [advantages[i] for i in idx],
+                                   None if words is None else [words[i] for i in idx], settings, total_tokens, token)
+        kl_sum += kl
         learner._backward(loss)
         loss_sum += float(loss.detach())
-        parts.append({k: v for k, v in part.items() if k != "approx_kl"})
-    kl = kl_sum / max(float(n) if action_kl else total_tokens, 1.0)
-    return loss_sum, kl, parts
+        parts.append(part)
+    return loss_sum, step_kl(learner, kl_sum, len(samples), total_tokens, token), parts

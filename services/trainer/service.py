@@ -18,6 +18,7 @@ import contextlib
 import functools
 import json
 import math
+import os
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -40,6 +41,7 @@ from shared.kernel.bus import fetch, kv_put_int_max, pull_consumer, stream_seq
 from shared.kernel.codec import DecodeError, decode, encode
 from shared.kernel.config import ConfigError
 from shared.kernel.logs import append_line
+from shared.kernel.memcap import LAST_EXIT_ENV, advice
 from shared.kernel.runstate import stage_closed
 from shared.kernel.schemas import DropEvent, MicroBatch, Sample, StepRecord, WeightsAnnounce
 from shared.kernel.service import Service
@@ -102,6 +104,7 @@ class TrainerService(Service):
         self.done = False
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"trainer-{self.model}",
                                         initializer=_init_worker, initargs=(self.train.threads,))
+        await self._last_exit()  # before the learner is built: a learner that cannot be built is what it says
         # the torch learner, rank 0 of a DeepSpeed trainer group (models.<m>.trainer.backend), or a tenant of the
         # training pool (train.pool): services/trainer/backends.py
         self.learner: TrainerBackend
@@ -228,15 +231,39 @@ class TrainerService(Service):
                 self.queue.pop(0)
                 await self._release(bool(self.queue))
 
+    async def _last_exit(self) -> None:
+        """The supervisor's word that the OOM killer ended this trainer's last start (CHORUS_LAST_EXIT): said again
+        as an event and a counter, by model, with what to change."""
+        raw = os.environ.get(LAST_EXIT_ENV)
+        if not raw:
+            return
+        try:
+            last = json.loads(raw)
+        except ValueError:
+            return
+        if isinstance(last, dict) and isinstance(last.get("out_of_memory"), dict):
+            self.counters["oom_kills"] = int(last.get("count") or 1)
+            self.log.error("the last start of this trainer was killed by the kernel's out-of-memory killer",
+                           who=last.get("who"), evidence=last.get("evidence"), advice=last.get("advice"))
+            await self.event(events.OUT_OF_MEMORY, **{k: last.get(k) for k in ("who", "evidence", "advice", "count",
+                                                                               "out_of_memory")})
+
     async def _group_watch(self) -> None:
         """A DeepSpeed group lives and dies whole: a rank that exits stops this service (its ranks go with it), and
-        the supervisor starts the group again from the committed version."""
+        the supervisor starts the group again from the committed version. A rank the OOM killer ended is said so."""
         assert isinstance(self.learner, TrainerGroup)
         while not self.stopping:
             await asyncio.sleep(0.5)
             if not self.learner.alive():
                 codes = self.learner.exit_codes()
                 self.counters["group_rank_exits"] += 1
+                for rank, oom in self.learner.out_of_memory():
+                    self.counters["oom_kills"] += 1
+                    hint = advice(self.model, "deepspeed", self.learner.world, self.learner.stage)
+                    self.log.error("a rank of the trainer group was killed by the kernel's out-of-memory killer",
+                                   rank=rank, evidence=oom.evidence(), advice=hint)
+                    await self.event(events.OUT_OF_MEMORY, who=f"rank {rank}", evidence=oom.evidence(), advice=hint,
+                                     count=self.counters["oom_kills"], out_of_memory=oom.as_dict())
                 self.log.error("a rank of the trainer group exited: stopping the group", ranks=codes)
                 self.stop(1)
                 return

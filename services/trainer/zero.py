@@ -34,14 +34,14 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from services.trainer import optstep
+from services.trainer import marft_step, optstep
 from services.trainer.advantages import micro_batch_advantages
 from services.trainer.learner import (
     Collated,
@@ -53,6 +53,7 @@ from services.trainer.learner import (
 )
 from services.trainer.logprobs import prompt_groups
 from shared.kernel.config import ChorusConfig, ConfigError, deep_merge
+from shared.kernel.memcap import MemoryGroup, OutOfMemory, group_from_env, out_of_memory
 from shared.kernel.schemas import Sample
 from shared.models.loading import resolve_device, shipped_tensors
 from shared.rlmath.advantages import batch_advantages, batch_token_advantages
@@ -123,8 +124,8 @@ class ZeroLearner(Learner):
         self.sub_samples = cfg.train.micro_batch
         config = deepspeed_config(cfg, model, world)
         module = _Scoring(self.net)
-        params = [p for p in module.parameters() if p.requires_grad]
-        self.engine, self.optimizer, _, _ = deepspeed.initialize(model=module, model_parameters=params, config=config)
+        groups = self._param_groups(module)
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(model=module, model_parameters=groups, config=config)
         # A full model's frozen reference: sharded too under ZeRO-3 (an engine without an optimizer).
         self.ref_engine: Any = None
         if self.reference is not None and not self.lora and self.stage == 3:
@@ -133,6 +134,60 @@ class ZeroLearner(Learner):
             self.ref_engine = deepspeed.initialize(model=_Scoring(self.reference.net), config=ref_config)[0]
         self.pending: list[tuple[list[Sample], list[int], str]] = []
         self.zero_dir = cfg.run_dir / "checkpoints" / model / "zero"
+
+    def _param_groups(self, module: torch.nn.Module) -> list[dict[str, Any]]:
+        """AdamW's parameter groups: one per LoRA adapter (the step of a batch without one of them leaves that one
+        and its AdamW state exactly as they were, as the torch learner does: :meth:`_untouched`), else one."""
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self.adapter_group: dict[str, int] = {}
+        if not self.lora or self.adapters is None:
+            return [{"params": [p for _, p in named]}]
+        groups: list[dict[str, Any]] = []
+        taken: set[int] = set()
+        for adapter in self._adapter_order():
+            mine = [p for n, p in named if f".{adapter}." in n and id(p) not in taken]
+            if mine:
+                self.adapter_group[str(adapter)] = len(groups)
+                groups.append({"params": mine})
+                taken |= {id(p) for p in mine}
+        rest = [p for _, p in named if id(p) not in taken]
+        return groups + ([{"params": rest}] if rest else [])
+
+    @contextlib.contextmanager
+    def _untouched(self, adapters: set[str]) -> Iterator[None]:
+        """An optimizer step that leaves ``adapters`` (trained by none of the step's samples) as the torch learner
+        leaves a parameter without a gradient: their groups at lr 0 (AdamW then moves nothing, weight decay
+        included), and their AdamW state (moments, step count; none before a first step) put back after it."""
+        inner = getattr(self.optimizer, "optimizer", self.optimizer)
+        saved: list[tuple[dict[str, Any], float, list[tuple[Any, dict[str, Any] | None]]]] = []
+        for adapter in sorted(adapters):
+            g = self.adapter_group.get(adapter)
+            if g is None or g >= len(inner.param_groups):
+                continue
+            group = inner.param_groups[g]
+            states = [(p, {k: v.clone() if torch.is_tensor(v) else v for k, v in inner.state[p].items()}
+                       if p in inner.state else None) for p in self._state_keys(inner, g)]
+            saved.append((group, group["lr"], states))
+            group["lr"] = 0.0
+        try:
+            yield
+        finally:
+            for group, lr, states in saved:
+                group["lr"] = lr
+                for p, state in states:
+                    if state is None:
+                        inner.state.pop(p, None)
+                    else:
+                        inner.state[p] = state
+
+    def _state_keys(self, inner: Any, g: int) -> list[Any]:
+        """The tensors AdamW keys group ``g``'s state by: its parameters (ZeRO-1/2: the group's flat fp32 partition),
+        or under ZeRO-3 the flat fp32 partitions of its sub-groups (put into the group only during a step)."""
+        flats = getattr(self.optimizer, "fp32_partitioned_groups_flat", None)
+        to_group = getattr(self.optimizer, "sub_group_to_group_id", None)
+        if flats is not None and isinstance(to_group, dict):
+            return [flats[sub] for sub, gid in sorted(to_group.items()) if gid == g]
+        return list(inner.param_groups[g]["params"])
 
     # --- rank 0, local: micro-batches are recorded; the step computes them ------------------
     def micro_batch(self, samples: Sequence[Sample], keep_idx: Sequence[int], estimator: str) -> float:
@@ -144,9 +199,19 @@ class ZeroLearner(Learner):
         pending, self.pending = self.pending, []
         return pending
 
+    def ready(self) -> bool:
+        """As the torch learner's: ``global_batch`` samples in, or for MARFT every sample of the on-policy batch."""
+        if self.marft:
+            kept = [samples[i] for samples, keep_idx, _ in self.pending for i in keep_idx]
+            if kept:
+                return self.accumulated >= max(s.batch_samples or self.global_batch for s in kept)
+        return self.accumulated >= self.global_batch
+
     # --- collective ------------------------------------------------------------------------
     def run_step(self, pending: list[tuple[list[Sample], list[int], str]]) -> StepResult:
         """The optimizer step of one global batch (``pending``: its micro-batches as :meth:`micro_batch` got them)."""
+        if self.marft:
+            return self._marft_step(pending)
         self.pending, self.accumulated = [], 0
         items = self._advantaged(pending)
         n = len(items)
@@ -178,7 +243,8 @@ class ZeroLearner(Learner):
         lr = optstep.scheduled_lr(self.optim, self.version, self.max_versions)
         optstep.set_lr(self.optimizer, lr)
         if total:  # the engine clips (gradient_clipping) and skips a step whose gradients overflow
-            self.engine.step()
+            with self._untouched(set(self.adapter_group) - {str(s.adapter) for s, _ in items}):
+                self.engine.step()
         norm = self.engine.get_global_grad_norm() if total else 0.0
         grad_norm = float(norm) if norm is not None else 0.0
         skipped = not np.isfinite(grad_norm)
@@ -187,6 +253,70 @@ class ZeroLearner(Learner):
         stats = optstep.step_stats(parts, lr, self._reward_kl)
         self._reward_kl = []
         return StepResult(self.version, n, loss_sum * scale, grad_norm, stats, skipped)
+
+    def _marft_step(self, pending: list[tuple[list[Sample], list[int], str]]) -> StepResult:
+        """MARFT's step (services/trainer/marft_step.py) on the group: the same selection of the agent to train,
+        the same loss over the selected samples (a mean over all of their actions, or tokens, whichever rank holds
+        them: each rank's part scaled by the ranks, as DeepSpeed averages), the trust region's KL summed over the
+        ranks; a step it cuts leaves the weights and AdamW's state as they were."""
+        self.pending, self.accumulated = [], 0
+        mc = self.marft_cfg
+        token = mc.variant == "token"
+        held = [samples[i] for samples, keep_idx, _ in pending for i in keep_idx]
+        adv = marft_step.step_advantages(held, token)
+        train_idx, untrained, why, stats = marft_step.selection(self, held)
+        chosen = [held[i] for i in train_idx]
+        settings, total_tokens, words = marft_step.settings_of(self, chosen, token)
+        items = [(s, (adv[i], None if words is None else words[k])) for k, (i, s) in enumerate(
+            zip(train_idx, chosen, strict=True))]
+        plan = self._plan(self._deal(items))
+        self._clear_partitioned_grads()
+        loss_sum, kl_sum, parts = 0.0, 0.0, []
+        total = sum(count for _, _, count in plan)
+        done = 0
+        for adapter, batches, count in plan:
+            for j in range(count):
+                done += 1
+                self.engine.set_gradient_accumulation_boundary(done == total)
+                if j < len(batches):
+                    pairs, batch = batches[j]
+                    loss, kl, part = marft_step.sub_batch(self, batch, [a for a, _ in pairs],
+                                                          None if words is None else [w for _, w in pairs],
+                                                          settings, total_tokens, token)
+                    self._backward(loss * self.world)
+                    loss_sum += float(loss.detach())
+                    kl_sum += kl
+                    parts.append(part)
+                else:
+                    self._backward(self._idle_loss(adapter))
+        gathered: list[Any] = [None] * self.world
+        torch.distributed.all_gather_object(gathered, (loss_sum, kl_sum, parts))
+        loss_sum = sum(g[0] for g in gathered)
+        kl = marft_step.step_kl(self, sum(g[1] for g in gathered), len(chosen), total_tokens, token)
+        parts = [p for g in gathered for p in g[2]]
+        if chosen:
+            stats.update(optstep.merge_token_stats(parts))
+        stats["approx_kl"] = kl
+        cut = bool(chosen) and mc.kl_target is not None and kl > mc.kl_target
+        lr = optstep.scheduled_lr(self.optim, self.version, self.max_versions)
+        optstep.set_lr(self.optimizer, lr)
+        grad_norm, skipped = 0.0, False
+        if total and not cut:
+            with self._untouched(set(self.adapter_group) - {str(s.adapter) for s in chosen}):
+                self.engine.step()
+            norm = self.engine.get_global_grad_norm()
+            grad_norm = float(norm) if norm is not None else 0.0
+            skipped = not np.isfinite(grad_norm)
+        elif cut:
+            self.engine.zero_grad()
+            self._clear_partitioned_grads()
+            untrained["kl_cut"] = [s.sample_id for s in chosen]
+            why["kl_cut"] = (f"trust-region cut: approximate KL {kl:.3g} > marft.kl_target {mc.kl_target:g} at "
+                             f"version {self.version}; the policy step is skipped")
+        if not skipped:
+            self.version += 1
+        stats.update(lr=lr, kl_cut=float(cut), trained_samples=float(0 if cut else len(chosen)))
+        return StepResult(self.version, len(held), loss_sum, grad_norm, stats, skipped, untrained, why)
 
     def gathered(self) -> dict[str, torch.Tensor]:
         """The shipped tensors, whole on every rank (gathered from their ZeRO-3 shards): clones."""
@@ -473,9 +603,15 @@ class TrainerGroup:
         where.mkdir(parents=True, exist_ok=True)
         spec = where / "group-config.json"
         spec.write_text(json.dumps(cfg.model_dump(mode="json")))
+        # Under a memory cap (trainer.memory_mb) every rank has a group of its own, made new beside rank 0's.
+        own = group_from_env()
+        self.groups: dict[int, MemoryGroup] = {} if own is None else {
+            r: MemoryGroup(own[0].path.with_name(f"{own[0].path.name}-rank{r}")).create(own[1], fresh=True)
+            for r in range(1, self.world)}
         self.children = [subprocess.Popen([sys.executable, "-m", "services.trainer.zero", str(spec), model, str(r),
                                            str(self.world), str(port), str(threads)],
-                                          env={**os.environ, **_environment(threads, cuda)})
+                                          env={**os.environ, **_environment(threads, cuda)},
+                                          preexec_fn=self.groups[r].enter if r in self.groups else None)
                          for r in range(1, self.world)]
         self.loaded = "nothing: fresh weights"  # what the last restore loaded (the service logs it)
         try:
@@ -532,6 +668,15 @@ class TrainerGroup:
     def exit_codes(self) -> dict[int, int | None]:
         """Each follower rank's exit code (None: running)."""
         return {r: c.poll() for r, c in enumerate(self.children, start=1)}
+
+    def out_of_memory(self) -> list[tuple[int, OutOfMemory]]:
+        """The follower ranks the kernel's OOM killer ended (under trainer.memory_mb), with the evidence."""
+        found = []
+        for r, code in self.exit_codes().items():
+            oom = out_of_memory(code, self.groups[r]) if r in self.groups else None
+            if oom is not None:
+                found.append((r, oom))
+        return found
 
     def micro_batch(self, samples: Sequence[Sample], keep_idx: Sequence[int], estimator: str) -> float:
         return self.local.micro_batch(samples, keep_idx, estimator)

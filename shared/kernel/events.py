@@ -28,6 +28,7 @@ WORKFLOW_ERROR = "workflow_error"
 RUN_FAILED = "run_failed"
 ROUTING = "routing"
 CRITIC_STEP = "critic_step"
+OUT_OF_MEMORY = "out_of_memory"
 
 EVENTS: tuple[EventKind, ...] = (
     EventKind(STEP, "trainer", "the StepRecord fields (version, samples, sample_ids, reward_mean, loss, ...)",
@@ -48,6 +49,9 @@ EVENTS: tuple[EventKind, ...] = (
               "workflow.max_failures reached: the coordinator stops the run (exit 78)"),
     EventKind(CRITIC_STEP, "critic", "version, samples, sample_ids, value_loss, explained_variance, critic_grad_norm",
               "MARFT's critic committed a step of its head: which critic samples it trained", record=True),
+    EventKind(OUT_OF_MEMORY, "trainer", "who, evidence, advice, count, out_of_memory (limit, cgroup counters)",
+              "the kernel's OOM killer ended the trainer or a rank of its DeepSpeed group (told by the group's own "
+              "oom_kill counter): what to change (more ranks, ZeRO-3, more memory)"),
     EventKind(ROUTING, "rollouter", "routing (bool), version, reason",
               "a rollouter instance joined (routing true) or left (false) its model's request routing"),
 )

@@ -352,6 +352,7 @@ async def _status(cfg: ChorusConfig, url: str) -> RenderableType:
         if kv is None:
             t.caption += f" (no KV bucket {names.kv_bucket}: is the run id right? `chorus up` appends a timestamp)"
         parts: list[RenderableType] = [t, await _run_state_line(cfg, kv)]
+        parts += oom_lines(await _service_metrics(nc, names, answers, "trainer"))
         for extra in (agent_table(await _mq_metrics(nc, names, answers, list(cfg.models))),
                       balance_table(await _service_metrics(nc, names, answers, "coordinator")),
                       act_table(await _service_metrics(nc, names, answers, "actions")),
@@ -403,21 +404,35 @@ async def _mq_metrics(nc: Any, names: Names, answers: list[dict[str, Any]],
 
 async def _service_metrics(nc: Any, names: Names, answers: list[dict[str, Any]],
                            service: str) -> dict[str, dict[str, Any]]:
-    """Metrics of every instance of ``service`` (a service without a model) that answered the ping, by instance."""
+    """Metrics of every instance of ``service`` that answered the ping, by instance (``<model>-<instance>`` for an
+    instance of a model)."""
     import nats
 
     from shared.kernel.codec import DecodeError, decode_json
 
-    async def ask(instance: str) -> tuple[str, Any]:
+    async def ask(model: str | None, instance: str) -> tuple[str, Any]:
+        key = f"{model}-{instance}" if model else instance
         try:
-            msg = await nc.request(names.status(service, None, instance), b"", timeout=2.0)
-            return instance, decode_json(msg.data)
+            msg = await nc.request(names.status(service, model, instance), b"", timeout=2.0)
+            return key, decode_json(msg.data)
         except (nats.errors.Error, TimeoutError, DecodeError):
-            return instance, None
+            return key, None
 
     metas = [a.get("metadata") or {} for a in answers if a.get("name") == f"chorus-{service}"]
-    replies = await asyncio.gather(*(ask(str(m.get("instance"))) for m in metas))
+    replies = await asyncio.gather(*(ask(m.get("model") or None, str(m.get("instance"))) for m in metas))
     return {i: r for i, r in replies if isinstance(r, dict)}
+
+
+def oom_lines(metrics: dict[str, Any]) -> list[str]:
+    """A line per trainer whose processes the kernel's OOM killer ended (its ``oom_kills`` counter)."""
+    out = []
+    for instance, m in sorted(metrics.items()):
+        counters = m.get("counters") if isinstance(m.get("counters"), dict) else {}
+        if counters.get("oom_kills"):
+            out.append(f"[red]out of memory:[/] {counters['oom_kills']} process(es) of trainer {instance} "
+                       f"({m.get('model') or 'pool'}) killed by the kernel's OOM killer; its events say what to change "
+                       "(chorus monitor --raw events.trainer)")
+    return out
 
 
 def _v(v: int) -> str:

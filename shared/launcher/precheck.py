@@ -109,7 +109,17 @@ def credential_problems(cfg: ChorusConfig) -> list[str]:
     return out
 
 
+def memory_problems(cfg: ChorusConfig) -> list[str]:
+    """A trainer memory cap (``models.<m>.trainer.memory_mb``) needs a cgroup v1 memory controller this user may
+    write (root)."""
+    from shared.kernel.memcap import unavailable
+
+    capped = sorted(m for m, c in cfg.models.items() if c.trainer.memory_mb is not None)
+    why = unavailable() if capped else None
+    return [f"models.{capped[0]}.trainer.memory_mb: {why}"] if why else []
+
+
 def problems(cfg: ChorusConfig) -> list[str]:
     """Every problem of a loaded config, each naming its key and path; empty when the run can start."""
     return (model_problems(cfg) + task_problems(cfg) + function_problems(cfg) + loss_problems(cfg)
-            + credential_problems(cfg))
+            + credential_problems(cfg) + memory_problems(cfg))

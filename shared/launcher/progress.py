@@ -153,7 +153,7 @@ class ProgressView:
 # admissions. `chorus monitor` never lists them as problems.
 ROUTINE_COUNTERS = frozenset({"gen_no_responders", "gen_unrouted", "join_waits_for_sync", "empty_listings",
                               "backpressure_waits", "tasks_paced", "coalesced", "in_progress_sent", "requeued"})
-PROBLEM_WORDS = ("error", "fail", "timeout", "dead", "invalid", "reject", "lost", "nonfinite", "dlq", "crash",
+PROBLEM_WORDS = ("error", "fail", "timeout", "dead", "invalid", "reject", "lost", "nonfinite", "dlq", "crash", "oom",
                  "refused", "not_written", "skipped")
 MONITOR_EVENTS = 6  # the latest events under the tables
 # The fields an event line shows for the frequent kinds (others: every plain field).

@@ -125,6 +125,11 @@ def offline_view(cfg: ChorusConfig, run_dir: Path) -> tuple[bool | None, Rendera
                   ", ".join(f"{n} {reason}" for reason, n in sorted(dropped.items())) if dropped else
                   ("none" if info else "-"))
     parts.append(t)
+    for m in cfg.models:
+        killed = int((per_model.get(m) or {}).get("out_of_memory") or 0)
+        if killed:
+            parts.append(f"[red]out of memory:[/] the kernel's OOM killer ended {killed} process(es) of {m}'s trainer "
+                         f"(chorus up's output and {run_dir / 'logs'} say which and what to change)")
 
     if evals:
         e = Table(title="held-out evaluations (final answer pass@1)")

@@ -32,6 +32,17 @@ from shared.kernel.bus import connect, ensure_run, kv_get_int
 from shared.kernel.codec import DecodeError, decode_json
 from shared.kernel.config import ChorusConfig, ConfigError, load_config
 from shared.kernel.credentials import PASSWORD_PREFIX, password_env
+from shared.kernel.memcap import (
+    LAST_EXIT_ENV,
+    MEMORY_GROUP_ENV,
+    MEMORY_LIMIT_ENV,
+    MemoryGroup,
+    OutOfMemory,
+    advice,
+    machine_oom_kills,
+    out_of_memory,
+    rank_groups,
+)
 from shared.kernel.runbus import run_exists
 from shared.kernel.service import EX_RUN_FAILED, START_WAIT_S
 from shared.kernel.subjects import Names
@@ -93,6 +104,36 @@ def plan_services(cfg: ChorusConfig) -> list[ChildSpec]:
     return plan
 
 
+def memory_cap(cfg: ChorusConfig, spec: ChildSpec) -> int | None:
+    """The memory cap in bytes of a service's process: a model's trainer with ``trainer.memory_mb``."""
+    if spec.service != "trainer" or spec.model is None:
+        return None
+    mb = cfg.models[spec.model].trainer.memory_mb
+    return None if mb is None else mb * 2**20
+
+
+def report_out_of_memory(cfg: ChorusConfig, child: Child, counts: Counter[str],
+                         console: Console) -> dict[str, str] | None:
+    """Say, by model and with what to change, that the kernel's OOM killer ended a trainer (or a rank of its
+    group); count it (summary.json) and return what the trainer's next start publishes (CHORUS_LAST_EXIT)."""
+    found = child.out_of_memory()
+    if not found:
+        return None
+    model = child.key.removeprefix("trainer-").rsplit("-", 1)[0] if child.key.startswith("trainer-") else None
+    if model in cfg.models:
+        t = cfg.models[model].trainer
+        hint = advice(model, t.backend, t.deepspeed.ranks, t.deepspeed.zero_stage)
+    else:
+        model, hint = None, "give it more memory"
+    counts[model or child.key] += len(found)
+    for who, oom in found:
+        console.print(f"[red]out of memory: {child.key}{f' (model {model})' if model else ''}: {who} was killed by "
+                      f"the kernel's out-of-memory killer ({oom.evidence()}); {hint}", highlight=False)
+    who, oom = found[0]
+    return {LAST_EXIT_ENV: json.dumps({"out_of_memory": oom.as_dict(), "who": who, "evidence": oom.evidence(),
+                                       "advice": hint, "count": counts[model or child.key]})}
+
+
 def pool_model(cfg: ChorusConfig) -> str:
     """Where the pool starts: the model most of the workflow's agents use (the first named on ties)."""
     counts = Counter(cfg.agents[a].model for a in cfg.workflow.agents if a in cfg.agents)
@@ -113,6 +154,26 @@ class Child:
     argv: list[str]
     log: Path
     popen: subprocess.Popen[bytes]
+    memory: MemoryGroup | None = None  # its cgroup memory group (models.<m>.trainer.memory_mb)
+    machine_oom: int = 0  # the machine's OOM-kill count when it started
+
+    def out_of_memory(self) -> list[tuple[str, OutOfMemory]]:
+        """(who, evidence) for each of its processes the OOM killer ended: the child itself ("rank 0" of a group,
+        or the process), and each rank of its DeepSpeed group in the groups beside its own (``<group>-rank<r>``,
+        made new by each start of the group)."""
+        if self.memory is None:
+            oom = out_of_memory(self.popen.returncode, machine_before=self.machine_oom)
+            return [("the process", oom)] if oom is not None else []
+        found = []
+        oom = out_of_memory(self.popen.returncode, self.memory)
+        if oom is not None:
+            found.append(("the process" if not rank_groups(self.memory) else "rank 0", oom))
+        for rank, group in rank_groups(self.memory):
+            kills = group.oom_kills()
+            if kills:
+                found.append((f"rank {rank}", OutOfMemory(group.limit(), kills, group.failcnt(), group.max_usage(),
+                                                          None)))
+        return found
 
     def alive(self) -> bool:
         return self.popen.poll() is None
@@ -140,16 +201,45 @@ class Supervisor:
     children: dict[str, Child] = field(default_factory=dict)
     stopped: dict[str, Child] = field(default_factory=dict)  # stopped one by one (stop_one) before the end
     stopping: bool = False
+    memory_bytes: dict[str, int | None] = field(default_factory=dict)  # key -> its memory cap
+    run: str = ""
 
-    def start(self, key: str, argv: Sequence[str]) -> Child:
-        """Start one child; must be called from the main thread (PDEATHSIG follows the creating thread)."""
+    def remove_groups(self) -> None:
+        """The memory groups of the children, once every child has exited."""
+        for c in [*self.stopped.values(), *self.children.values()]:
+            if c.memory is not None and not c.alive():
+                for _, g in rank_groups(c.memory):
+                    g.remove(parents=False)
+                c.memory.remove()
+
+    def start(self, key: str, argv: Sequence[str], memory_bytes: int | None = None, run: str = "",
+              env: Mapping[str, str] | None = None) -> Child:
+        """Start one child; must be called from the main thread (PDEATHSIG follows the creating thread). With
+        ``memory_bytes`` it runs in a memory group of its own (``chorus/<run>/<key>``, made new) with that limit,
+        entered before it runs anything; its DeepSpeed ranks make theirs beside it (``CHORUS_MEMORY_GROUP``)."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = self.log_dir / f"{key}.log"
+        group = None
+        child_env = {**self.env_of(key), **(env or {})}
+        if memory_bytes is not None:
+            group = MemoryGroup.for_process(run, key).create(memory_bytes, fresh=True)
+            for _, stale in rank_groups(group):
+                stale.remove(parents=False)
+            child_env |= {MEMORY_GROUP_ENV: str(group.path), MEMORY_LIMIT_ENV: str(memory_bytes)}
+
+        def preexec() -> None:
+            _die_with_parent()
+            if group is not None:
+                group.enter()
+
+        machine = machine_oom_kills()
         with open(log, "ab") as fh:
-            popen = subprocess.Popen(list(argv), stdout=fh, stderr=subprocess.STDOUT, env=self.env_of(key),
-                                     stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
-        child = Child(key, list(argv), log, popen)
+            popen = subprocess.Popen(list(argv), stdout=fh, stderr=subprocess.STDOUT, env=child_env,
+                                     stdin=subprocess.DEVNULL, preexec_fn=preexec)
+        child = Child(key, list(argv), log, popen, group, machine)
         self.children[key] = child
+        self.memory_bytes[key] = memory_bytes
+        self.run = run or self.run
         return child
 
     def env_of(self, key: str) -> dict[str, str]:
@@ -168,9 +258,10 @@ class Supervisor:
             return []
         return [c for c in self.children.values() if not c.alive()]
 
-    def restart(self, child: Child) -> Child:
-        """Start an exited child again with the same command line (its log goes on in the same file)."""
-        return self.start(child.key, child.argv)
+    def restart(self, child: Child, env: Mapping[str, str] | None = None) -> Child:
+        """Start an exited child again with the same command line and memory cap (its log goes on in the same
+        file); ``env``: what it is told besides (CHORUS_LAST_EXIT)."""
+        return self.start(child.key, child.argv, self.memory_bytes.get(child.key), self.run, env)
 
     async def stop_one(self, key: str, grace_s: float = STOP_GRACE_S) -> int:
         """SIGTERM one child while the others run on (it is not restarted), SIGKILL after ``grace_s``."""
@@ -407,6 +498,7 @@ async def run_up(config_path: Path | None, *, timeout_s: float | None = None, co
     recorder: GaugeRecorder | None = None
     dash: Dashboard | None = None
     background: list[asyncio.Task[None]] = []
+    oom_counts: Counter[str] = Counter()  # model -> processes of its trainer the OOM killer ended
     code = 1
     try:
         nc = await connect(url, "chorus-up", timeout_s=cfg.nats.connect_timeout_s, nats_cfg=own_nats,
@@ -454,7 +546,7 @@ async def run_up(config_path: Path | None, *, timeout_s: float | None = None, co
             except OSError as exc:
                 console.print(f"[yellow]no dashboard: cannot listen on {dashboard[0]}:{dashboard[1]}: {exc}")
                 dash = None
-        code = await _supervise(cfg, nc, kv, sup, tracker, config_file, url, stop, timeout_s, console)
+        code = await _supervise(cfg, nc, kv, sup, tracker, config_file, url, stop, timeout_s, console, oom_counts)
         if code == 0 and cfg.eval.every:
             code = await _await_last_eval(evals, cfg.eval.final_timeout_s, stop, console)
         if code == 0:
@@ -473,6 +565,7 @@ async def run_up(config_path: Path | None, *, timeout_s: float | None = None, co
             await dash.close()
         console.print("stopping services ...")
         codes = await sup.stop_all()
+        sup.remove_groups()
         bad = {k: c for k, c in codes.items() if c not in (0, -signal.SIGTERM)}
         if bad and code == 0:
             console.print(f"[yellow]services that did not exit cleanly: {bad}")
@@ -486,7 +579,8 @@ async def run_up(config_path: Path | None, *, timeout_s: float | None = None, co
         for line in tracker.sample_lines():
             console.print(line)
         write_summary(run_dir, code=code, started=started, models={m: {"version": p.version, "trained": p.trained,
-                                                      "dropped": dict(p.dropped)} for m, p in tracker.models.items()})
+                                                      "dropped": dict(p.dropped), "out_of_memory": oom_counts[m]}
+                                                      for m, p in tracker.models.items()})
         console.print(f"`chorus status {run_dir}` reads the results from the run directory once the run's "
                       f"server is gone; `chorus samples {run_dir}` shows what the agents said", highlight=False)
     return code
@@ -532,12 +626,13 @@ async def _await_last_eval(evals: list[dict[str, Any]], timeout_s: float, stop: 
 
 async def _supervise(cfg: ChorusConfig, nc: NATS, kv: KeyValue, sup: Supervisor, tracker: RunTracker,
                      config_file: Path, url: str, stop: asyncio.Event, timeout_s: float | None,
-                     console: Console) -> int:
+                     console: Console, oom_counts: Counter[str]) -> int:
     plan = plan_services(cfg)
     restarts = Restarts(cfg.run.max_restarts, cfg.run.restart_window_s, cfg.run.restart_delay_s)
+    last_exit: dict[str, dict[str, str] | None] = {}  # key -> what its next start is told of its last exit
     first, last = [s for s in plan if s.service != "coordinator"], [s for s in plan if s.service == "coordinator"]
     for spec in first:
-        sup.start(spec.key, spec.argv(config_file, url))
+        sup.start(spec.key, spec.argv(config_file, url), memory_cap(cfg, spec), cfg.run.id)
     console.print(f"started {len(first)} services; logs in {sup.log_dir}")
     console.print("starting: each service imports its libraries and loads its model"
                   + ("; the embedded SmolLM2 is dequantised into runs/_cache first (once, about 30 s)"
@@ -559,6 +654,7 @@ async def _supervise(cfg: ChorusConfig, nc: NATS, kv: KeyValue, sup: Supervisor,
             for c in sup.exited():
                 if c.key in restarts.due:
                     continue  # already waiting for its restart
+                last_exit[c.key] = report_out_of_memory(cfg, c, oom_counts, console)
                 if c.popen.returncode == EX_RUN_FAILED:
                     console.print(f"[red]service {c.key} stopped the run (exit {EX_RUN_FAILED}: restarting it cannot "
                                   f"help); last lines of {c.log}:[/]\n{c.tail()}")
@@ -572,7 +668,7 @@ async def _supervise(cfg: ChorusConfig, nc: NATS, kv: KeyValue, sup: Supervisor,
                               f"restarting it in {cfg.run.restart_delay_s:g}s (last lines of {c.log}):[/]\n"
                               f"{c.tail(5)}")
             for key in restarts.ready(now):
-                sup.restart(sup.children[key])
+                sup.restart(sup.children[key], last_exit.pop(key, None))
             if stop.is_set():
                 console.print("[yellow]interrupted")
                 return 130

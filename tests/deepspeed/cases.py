@@ -21,8 +21,9 @@ GLOBAL = 8
 
 
 def case_config(tmp: Path, *, stage: int, lora: bool, kl: bool = True, extra_train: str = "",
-                ranks: int = 2) -> Path:
-    """A tiny model's config with ``trainer.backend: deepspeed`` at ZeRO ``stage`` (the torch learner ignores it)."""
+                ranks: int = 2, marft: str | None = None) -> Path:
+    """A tiny model's config with ``trainer.backend: deepspeed`` at ZeRO ``stage`` (the torch learner ignores it);
+    ``marft``: train.loss marft in that variant (action or token), agent by agent, in sync mode."""
     model = ("{arch: {hidden_size: 64, num_layers: 2, num_heads: 2, intermediate_size: 128, max_position: 64}, "
              "optim: {lr: 0.01, grad_clip: 1.0, weight_decay: 0.01}, "
              f"trainer: {{backend: deepspeed, deepspeed: {{ranks: {ranks}, zero_stage: {stage}}}}}")
@@ -31,17 +32,22 @@ def case_config(tmp: Path, *, stage: int, lora: bool, kl: bool = True, extra_tra
         model += ", lora: {r: 4, target_modules: [q_proj, v_proj, o_proj, gate_proj]}"
         agents = "{solver: {model: m, adapter: sol}, verifier: {model: m, adapter: ver}}"
     kl_keys = ", kl_coef: 0.1, kl_in: loss" if kl else ""
-    path = tmp / f"zero{stage}{'-lora' if lora else ''}.yaml"
+    if marft:
+        extra_train += ", loss: marft, mode: sync, max_staleness: 0"
+    path = tmp / f"zero{stage}{'-lora' if lora else ''}{f'-marft-{marft}' if marft else ''}.yaml"
     path.write_text(
         f"run: {{id: zero, dir: {tmp / 'runs'}}}\n"
         f"models: {{m: {model}}}}}\n"
         f"agents: {agents}\n"
         "workflow: {group_size: 2, temperature: 1.0}\n"
-        f"train: {{global_batch: {GLOBAL}, micro_batch: {MICRO}{kl_keys}{extra_train}}}\n")
+        f"train: {{global_batch: {GLOBAL}, micro_batch: {MICRO}{kl_keys}{extra_train}}}\n"
+        + (f"marft: {{variant: {marft}, agent_interval: 1, kl_target: 1000.0}}\n" if marft else ""))
     return path
 
 
-def sample(i: int, step: int, adapter: str | None) -> Sample:
+def sample(i: int, step: int, adapter: str | None, marft: bool = False) -> Sample:
+    """One sample of the case's batches; ``marft``: with the coordinator's normalised advantages (one per sample
+    and one per response token) of an on-policy batch of GLOBAL samples."""
     rng = np.random.default_rng(1000 * step + i)
     prompt = [BOS_ID, *rng.integers(32, 127, int(rng.integers(2, 9))).tolist()]
     resp_len = int(rng.integers(2, 12))
@@ -53,13 +59,16 @@ def sample(i: int, step: int, adapter: str | None) -> Sample:
                   agent=agent, model="m", turn=0, prompt_ids=Array.of(prompt, "int32"),
                   response_ids=Array.of(resp, "int32"), behavior_logprobs=Array.of(lp, "float32"),
                   reward=float(rng.integers(0, 3)), group_key=f"g{step}-{i // 2}", group_size=2, version=step,
-                  adapter=adapter)
+                  adapter=adapter, **(dict(advantage=float(rng.normal()), batch_samples=GLOBAL,
+                                           token_advantages=Array.of(rng.normal(size=resp_len), "float32"))
+                                      if marft else {}))
 
 
 def micro_batches(cfg: ChorusConfig, step: int) -> list[list[Sample]]:
     """The global batch of ``step``: GLOBAL samples in micro-batches of MICRO; a LoRA model's alternate adapters."""
     adapters = cfg.adapters_of("m") if cfg.models["m"].lora is not None else None
-    rows = [sample(i, step, adapters[i % len(adapters)] if adapters else None) for i in range(GLOBAL)]
+    marft = cfg.train.loss == "marft"
+    rows = [sample(i, step, adapters[i % len(adapters)] if adapters else None, marft) for i in range(GLOBAL)]
     return [rows[k : k + MICRO] for k in range(0, GLOBAL, MICRO)]
 
 

@@ -70,3 +70,24 @@ def test_a_group_restored_from_weights_alone_trains_from_them(tmp_path, stage: i
     assert group["losses"] == pytest.approx(losses, rel=1e-4, abs=1e-6)
     for name, t in learner.named_tensors().items():
         torch.testing.assert_close(group["tensors"][name], t, atol=ATOL, rtol=RTOL, msg=name)
+
+
+@pytest.mark.parametrize("variant", ["action", "token"])
+@pytest.mark.parametrize("stage", [2, 3])
+def test_marfts_step_on_a_two_rank_zero_group_is_the_torch_learners(tmp_path, stage: int, variant: str) -> None:
+    """train.loss marft (MARFT-A, MARFT-T) on a DeepSpeed group, agent by agent over two LoRA adapters: the same
+    losses and weights as the torch learner's on the same batches (each step trains one agent's adapter)."""
+    config = case_config(tmp_path, stage=stage, lora=True, kl=False, marft=variant)
+    group = run_group(config, tmp_path / "group.pt")
+    cfg = load_config(config)
+    learner = Learner(cfg, "m")
+    start = {k: t.clone() for k, t in learner.named_tensors().items()}
+    losses = train(learner, cfg)
+    assert group["version"] == STEPS
+    assert all(abs(x) > 1e-6 for x in losses)  # the advantages are not zero: the loss moves the weights
+    assert group["losses"] == pytest.approx(losses, rel=1e-4, abs=1e-6)
+    own = learner.named_tensors()
+    moved = {k for k in own if float((own[k] - start[k]).abs().max()) > 1e-4}
+    assert any(".sol." in k or "sol" in k for k in moved) and any("ver" in k for k in moved), sorted(moved)[:6]
+    for name, t in own.items():
+        torch.testing.assert_close(group["tensors"][name], t, atol=ATOL, rtol=RTOL, msg=name)

@@ -144,9 +144,6 @@ def marft_problems(cfg: ChorusConfig, objectives: dict[str, Objective]) -> list[
                            "adapter of their own, so one agent's update moves the others too; give each a LoRA "
                            "adapter or set agent_interval: 0")
                 break
-    ds = deepspeed_models(cfg)
-    if ds:
-        out.append(f"models.{ds[0]}.trainer.backend: MARFT's loss runs on the torch trainer only; set backend: torch")
     if mc.critic.model is not None and mc.critic.model not in cfg.models:
         out.append(f"marft.critic.model: {mc.critic.model!r} is not one of models {sorted(cfg.models)}")
     return out

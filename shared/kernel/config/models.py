@@ -113,6 +113,10 @@ class TrainerSection(Section):
     # torch: one process (the torch learner); deepspeed: a group of ranks under DeepSpeed ZeRO (`deepspeed`)
     backend: Literal["torch", "deepspeed"] = "torch"
     deepspeed: DeepSpeedSection = Field(default_factory=DeepSpeedSection)
+    # A memory cap (MiB) for each process of this model's trainer: the torch learner, or every rank of its DeepSpeed
+    # group, each in a cgroup v1 memory group of its own (root; shared/kernel/memcap.py). A process past it is
+    # killed by the kernel's OOM killer, which `chorus up` reports as out of memory, by model. null: no cap.
+    memory_mb: int | None = Field(default=None, ge=64)
 
 
 class OptimSection(Section):
