@@ -446,7 +446,10 @@ class WorkerPool:
             suite.error = suite.error or f"{type(exc).__name__}: {exc}"
             suite.done.set()
         finally:
-            if suite.book.running == 0 and not suite.lanes - {asyncio.current_task()}:
+            # The last lane to end says the suite is done. Two lanes can end in one turn of the loop, before either's
+            # done-callback took it out of suite.lanes: a lane whose task is done counts as gone.
+            me = asyncio.current_task()
+            if suite.book.running == 0 and all(t is me or t.done() for t in suite.lanes):
                 suite.done.set()
 
     def _grow(self) -> None:
