@@ -61,24 +61,45 @@ class SlotInfo:
 
 
 class SlotScheduler:
-    """Which model holds which slot. Not thread-safe: :class:`TrainingPool` calls it under its lock."""
+    """Which model holds which slot. Not thread-safe: :class:`TrainingPool` calls it under its lock.
 
-    def __init__(self, slots: int, clock: Callable[[], float] = time.monotonic) -> None:
+    A model of several ranks (a DeepSpeed group, ``sizes``) is a gang (§6.1): it takes as many slots as it has
+    ranks, all at once or none, and gives them all back together; first come first served holds for gangs as for
+    single slots (a gang at the head of the queue is not overtaken while it waits for enough slots, so it cannot
+    starve)."""
+
+    def __init__(self, slots: int, clock: Callable[[], float] = time.monotonic,
+                 sizes: dict[str, int] | None = None) -> None:
         if slots < 1:
             raise ValueError(f"a training pool needs at least one slot, got {slots}")
+        self.sizes = dict(sizes or {})
+        too_big = {m: n for m, n in self.sizes.items() if n > slots}
+        if too_big:
+            raise ValueError(f"a gang needs as many slots as its ranks: {too_big} in a pool of {slots} slot(s)")
         self.clock = clock
         self.slots = [SlotInfo(i) for i in range(slots)]
         self.waiting: deque[str] = deque()
+        self.gangs: dict[str, list[int]] = {}  # a gang's slots while it holds them, rank 0's first
         self.started = clock()
         self.last_slot: dict[str, int] = {}
         self.kept = 0  # releases in which the model kept its slot (more ready, nobody waiting)
         self.moved = 0  # grants to a slot other than the model's last one
 
     def holding(self, model: str) -> int | None:
+        """The slot ``model`` holds (a gang's first one: where its rank 0 runs), or None."""
+        if model in self.gangs:
+            return self.gangs[model][0]
         for s in self.slots:
             if s.holder == model:
                 return s.index
         return None
+
+    def gang(self, model: str) -> list[int]:
+        """Every slot ``model`` holds, rank 0's first."""
+        return list(self.gangs.get(model, [s.index for s in self.slots if s.holder == model]))
+
+    def size(self, model: str) -> int:
+        return self.sizes.get(model, 1)
 
     def want(self, model: str) -> int | None:
         """``model`` has a micro-batch ready: the slot it holds (kept or granted now), or None when it waits."""
@@ -88,10 +109,33 @@ class SlotScheduler:
         if model in self.waiting:
             return None
         free = [s for s in self.slots if s.holder is None]
-        if not free or self.waiting:  # first come, first served: nobody overtakes a waiting model
+        if len(free) < self.size(model) or self.waiting:  # first come, first served: nobody overtakes
             self.waiting.append(model)
             return None
-        return self._grant(model, self._choose(model, free))
+        return self._grant_all(model, free)
+
+    def _grant_all(self, model: str, free: list[SlotInfo]) -> int:
+        """``model``'s slot (a gang: its slots, the first one chosen as a single slot is) out of ``free``."""
+        first = self._choose(model, free)
+        picked = [first] + [s for s in free if s is not first][: self.size(model) - 1]
+        index = self._grant(model, first)
+        for s in picked[1:]:
+            s.holder, s.since = model, self.clock()
+            s.grants += 1
+        if len(picked) > 1:
+            self.gangs[model] = [s.index for s in picked]
+        return index
+
+    def _serve_waiting(self) -> list[tuple[str, int]]:
+        """Grants to the models at the head of the queue while enough slots are free for them."""
+        grants: list[tuple[str, int]] = []
+        while self.waiting:
+            free = [s for s in self.slots if s.holder is None]
+            if len(free) < self.size(self.waiting[0]):
+                break
+            nxt = self.waiting.popleft()
+            grants.append((nxt, self._grant_all(nxt, free)))
+        return grants
 
     def release(self, model: str, more: bool = False) -> list[tuple[str, int]]:
         """``model`` has trained a micro-batch. It keeps its slot when ``more`` of its micro-batches are ready and no
@@ -103,14 +147,13 @@ class SlotScheduler:
         if more and not self.waiting:
             self.kept += 1
             return []
-        slot = self.slots[index]
         now = self.clock()
-        slot.busy_s += now - slot.since
-        slot.holder, slot.last, slot.released_at = None, model, now
-        grants: list[tuple[str, int]] = []
-        if self.waiting:
-            nxt = self.waiting.popleft()
-            grants.append((nxt, self._grant(nxt, slot)))
+        for i in self.gang(model):
+            slot = self.slots[i]
+            slot.busy_s += now - slot.since
+            slot.holder, slot.last, slot.released_at = None, model, now
+        self.gangs.pop(model, None)
+        grants = self._serve_waiting()
         if more:
             granted = self.want(model)
             if granted is not None:
@@ -121,6 +164,8 @@ class SlotScheduler:
         """``model`` is gone (its trainer stopped): out of the queue, and its slot released."""
         with contextlib.suppress(ValueError):
             self.waiting.remove(model)
+        if self.holding(model) is None:  # it may have been the head of the queue, holding up the others
+            return self._serve_waiting()
         return self.release(model)
 
     def busy_seconds(self, now: float | None = None) -> list[float]:
@@ -200,8 +245,7 @@ class StateStore:
         cur = self.states.get(model)
         generation = (cur.generation + 1) if cur is not None else 0
         if cur is not None and cur.path.parent != path.parent:
-            with contextlib.suppress(OSError):
-                cur.path.unlink()
+            _remove(cur.path)
         self.states[model] = StoredState(path, nbytes, meta, header, resident, generation)
         self.bytes_set += nbytes
 
@@ -212,6 +256,17 @@ class StateStore:
         import shutil
 
         shutil.rmtree(self.memory_dir, ignore_errors=True)
+
+
+def _remove(path: Path) -> None:
+    """A stored state: a file (a learner's buffer) or a directory (a gang's shards, every rank its own)."""
+    import shutil
+
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            path.unlink()
 
 
 # --- the slot workers ---------------------------------------------------------------------------------------------
@@ -350,7 +405,10 @@ class TrainingPool:
         self.mode = mode or pc.mode
         self.attempts = pc.attempts
         self.log = log
-        self.sched = SlotScheduler(n, clock)
+        # a DeepSpeed model is a gang of one slot per rank (its rank 0 in the first slot's process)
+        self.sizes = {m: mc.trainer.deepspeed.ranks for m, mc in cfg.models.items()
+                      if mc.trainer.backend == "deepspeed"}
+        self.sched = SlotScheduler(n, clock, self.sizes)
         self.lock = threading.Condition()
         self.pool_dir = cfg.run_dir / "pool"
         self.pool_dir.mkdir(parents=True, exist_ok=True)
@@ -367,18 +425,23 @@ class TrainingPool:
         # what loadtests/bench_training_pool.py compares the pool with)
         self.swap = swap
         self.logs: dict[str, list[tuple[str, bytes]]] = {}  # per model: the changing calls since its last Set
+        # called with the free cores (:meth:`free_cores`) whenever slots change hands: what lends them to rollouts
+        self.listeners: list[Callable[[list[int]], None]] = []
 
     # --- tenancy ----------------------------------------------------------------------------------------------
     def acquire(self, model: str) -> int:
         """Block until ``model`` holds a slot; returns it."""
         with self.lock:
             slot = self.sched.want(model)
+            granted = slot is not None
             while slot is None:
                 if self.closed:
                     raise SlotLost("the training pool is closing")
                 self.lock.wait(timeout=1.0)
                 slot = self.sched.holding(model)
-            return slot
+        if granted:
+            self._changed()
+        return slot
 
     def release(self, model: str, more: bool = False) -> None:
         """``model`` has trained a micro-batch. It keeps its slot (and its state stays in place, unset) when ``more``
@@ -393,18 +456,38 @@ class TrainingPool:
                 return
         if self.swap and self.logs.get(model):
             self.call(model, "noop", set_state=True)  # Set: the calls since the last one are in the slot only
-        if self.mode == "destroy":
+        if self.mode == "destroy" or model in self.sizes:
             # suspend-to-destroy: the process ends, its cores go back; while the slot is still this model's, so
-            # that no next tenant is already using the process
+            # that no next tenant is already using the process. A gang always ends its processes (every rank:
+            # the next tenancy may get other slots, and DeepSpeed's process-wide state is not built twice)
             self.workers[index].stop()
         with self.lock:
             self.sched.release(model, more)
             self.lock.notify_all()
+        self._changed()
 
     def leave(self, model: str) -> None:
         with self.lock:
             self.sched.leave(model)
             self.lock.notify_all()
+        self._changed()
+
+    def free_cores(self) -> list[int]:
+        """The cores of the slots no model holds now (what the pool can lend to other work)."""
+        with self.lock:
+            held = {c for s in self.sched.slots if s.holder is not None for c in self.workers[s.index].cores}
+        return sorted({c for w in self.workers for c in w.cores} - held)
+
+    def _changed(self) -> None:
+        if not self.listeners:
+            return
+        free = self.free_cores()
+        for listener in list(self.listeners):
+            try:
+                listener(free)
+            except Exception as exc:  # a listener's failure is its own: the pool goes on
+                if self.log is not None:
+                    self.log.warning("a free-cores listener failed", error=f"{type(exc).__name__}: {exc}")
 
     # --- calls ------------------------------------------------------------------------------------------------
     def call(self, model: str, method: str, *args: Any, mutates: bool = True,
@@ -450,7 +533,8 @@ class TrainingPool:
             stored = self.store.get(model)
             put = self.store.target(model, stored.nbytes if stored is not None else 0)
         worker.resident = None  # until the reply: a failed call leaves nothing trusted in place
-        reply = worker.request(("call", model, None, method, data, None if put is None else (str(put[0]), put[1])))
+        reply = worker.request(("call", model, None, method, data, None if put is None else (str(put[0]), put[1]),
+                                self._extra(model)))
         if reply[0] == "error":
             _, kind, text, info = reply
             self._account(info, method)
@@ -473,13 +557,22 @@ class TrainingPool:
     def _bring(self, worker: SlotWorker, model: str) -> None:
         """The model's state into ``worker``: Get the stored one, then run the calls logged since it was set."""
         stored = self.store.get(model) if self.swap else None
+        extra = self._extra(model)
         if stored is not None:
             reply = worker.request(("call", model, (str(stored.path), stored.nbytes, stored.header, stored.meta),
-                                    "noop", pickle.dumps(()), None))
+                                    "noop", pickle.dumps(()), None, extra))
             self._check(reply, "noop")
         for method, data in self.logs.get(model, []):
-            self._check(worker.request(("call", model, None, method, data, None)), method)
+            self._check(worker.request(("call", model, None, method, data, None, extra)), method)
             self.times.replayed += 1
+
+    def _extra(self, model: str) -> dict[str, Any]:
+        """What a slot needs to build ``model``'s learner beyond the config: a gang's other ranks' cores."""
+        if model not in self.sizes:
+            return {}
+        with self.lock:
+            gang = self.sched.gang(model)
+        return {"ranks_cores": [self.workers[i].cores for i in gang[1:]]}
 
     def _check(self, reply: tuple[Any, ...], method: str) -> None:
         info = reply[-1] if isinstance(reply[-1], dict) else {}

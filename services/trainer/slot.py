@@ -49,36 +49,40 @@ class Maps:
 def serve(conn: Connection, spec: Path, index: int) -> int:
     import torch
 
-    from services.trainer.learner import Learner
     from services.trainer.swap import SwapMeta, export_state, import_state, state_bytes
     from shared.kernel.config import ChorusConfig
     from shared.models.weights import WeightsHeader
 
     cfg = ChorusConfig(**json.loads(spec.read_text()))
-    learners: dict[str, Learner] = {}
+    learners: dict[str, Any] = {}
     maps = Maps()
     conn.send(("ready", os.getpid(), torch.get_num_threads()))
     while True:
         try:
             msg = conn.recv()
         except (EOFError, OSError):
-            return 0
+            return _close(learners)
         if msg[0] == "exit":
-            return 0
-        _, model, get, method, args, put = msg
+            return _close(learners)
+        _, model, get, method, args, put, *rest = msg
+        extra: dict[str, Any] = rest[0] if rest else {}
         info: dict[str, Any] = {}
+        learner = learners.get(model)
         try:
-            learner = learners.get(model)
             if learner is None:
                 t0 = time.perf_counter()
-                learner = Learner(cfg, model)
+                learner = _build(cfg, model, extra)
                 learners[model] = learner
                 info["build_s"] = time.perf_counter() - t0
+            gang = hasattr(learner, "export_swap")
             if get is not None:
                 path, nbytes, header, meta = get
                 t0 = time.perf_counter()
-                body = maps.get(path, nbytes, create=False)
-                import_state(learner, WeightsHeader.unpack(header), body[:nbytes], SwapMeta.unpack(meta))
+                if gang:  # every rank reads its own shard of the gang's state
+                    learner.import_swap(Path(path), meta)
+                else:
+                    body = maps.get(path, nbytes, create=False)
+                    import_state(learner, WeightsHeader.unpack(header), body[:nbytes], SwapMeta.unpack(meta))
                 info["get_s"] = time.perf_counter() - t0
                 info["get_bytes"] = nbytes
             c0, w0 = time.process_time(), time.perf_counter()
@@ -87,21 +91,54 @@ def serve(conn: Connection, spec: Path, index: int) -> int:
             if put is not None:
                 path, _resident = put
                 t0 = time.perf_counter()
-                out = maps.get(path, state_bytes(learner), create=True)
-                h, _, m = export_state(learner, out=out)
-                info["set"] = (h.nbytes, h.pack(), m.pack())
+                if gang:
+                    size, packed = learner.export_swap(Path(path))
+                    info["set"] = (size, b"", packed)
+                else:
+                    out = maps.get(path, state_bytes(learner), create=True)
+                    h, _, m = export_state(learner, out=out)
+                    info["set"] = (h.nbytes, h.pack(), m.pack())
                 info["set_s"] = time.perf_counter() - t0
             info.update(version=learner.version, accumulated=learner.accumulated)
             conn.send(("ok", pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL), info))
         except Exception as exc:  # the learner's error goes back to the trainer, which counts and drops
+            if learner is not None and hasattr(learner, "alive") and not learner.alive():
+                # a rank of the gang is gone: the group is broken, and so is this slot (the pool starts it afresh,
+                # gets the gang's stored state back and runs the call again)
+                print(f"slot {index}: a rank of {model}'s group is gone ({learner.exit_codes()}): {exc}",
+                      file=sys.stderr, flush=True)
+                os._exit(3)
             conn.send(("error", type(exc).__name__, str(exc), info))
+
+
+def _build(cfg: Any, model: str, extra: dict[str, Any]) -> Any:
+    """``model``'s learner: the torch learner, or a DeepSpeed model's group (rank 0 here, the other ranks pinned
+    to the cores of the gang's other slots)."""
+    import torch
+
+    from services.trainer.learner import Learner
+
+    if cfg.models[model].trainer.backend == "deepspeed":
+        from services.trainer.zero import TrainerGroup
+
+        return TrainerGroup(cfg, model, threads=torch.get_num_threads(), cores=extra.get("ranks_cores"))
+    return Learner(cfg, model)
+
+
+def _close(learners: dict[str, Any]) -> int:
+    for learner in learners.values():  # a gang's ranks leave with it
+        if hasattr(learner, "export_swap"):
+            with contextlib.suppress(Exception):
+                learner.close()
+    return 0
 
 
 def _dispatch(learner: Any, method: str, args: tuple[Any, ...]) -> Any:
     if method == "describe":
+        net = getattr(learner, "local", learner).net  # a gang's: rank 0's (ZeRO-3's partitioned sizes by ds_numel)
+        sizes = [(getattr(p, "ds_numel", p.numel()), p.requires_grad) for p in net.parameters()]
         return {"vocab_size": learner.vocab_size, "context": learner.context, "adapters": learner.adapters,
-                "params": sum(p.numel() for p in learner.net.parameters()),
-                "trainable": sum(p.numel() for p in learner.net.parameters() if p.requires_grad)}
+                "params": sum(n for n, _ in sizes), "trainable": sum(n for n, g in sizes if g)}
     if method == "noop":  # a Get or a Set alone
         return None
     if method not in {"micro_batch", "step", "named_tensors", "optimizer_state", "state_dict", "load_state_dict",

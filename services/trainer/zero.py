@@ -29,6 +29,7 @@ import datetime
 import importlib.util
 import json
 import os
+import pickle
 import shutil
 import signal
 import socket
@@ -76,8 +77,10 @@ def deepspeed_config(cfg: ChorusConfig, model: str, world: int) -> dict[str, Any
     # the whole of a small model's training state); ZeRO-3 keeps at most 3e7 gathered parameters alive.
     zero: dict[str, Any] = {"stage": ds.zero_stage, "reduce_bucket_size": BUCKET, "allgather_bucket_size": BUCKET}
     if ds.zero_stage == 3:
+        # AdamW steps the rank's partition in sub-groups of BUCKET elements: its temporaries stay one bucket's size,
+        # not the size of the whole partition (DeepSpeed's default sub-group is 1e9 elements)
         zero.update(stage3_prefetch_bucket_size=BUCKET // 2, stage3_max_live_parameters=LIVE,
-                    stage3_max_reuse_distance=LIVE)
+                    stage3_max_reuse_distance=LIVE, sub_group_size=BUCKET)
     if ds.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu"}
     base = {
@@ -115,6 +118,7 @@ class ZeroLearner(Learner):
     def __init__(self, cfg: ChorusConfig, model: str, rank: int, world: int) -> None:
         import deepspeed
 
+        _return_freed_memory()
         super().__init__(cfg, model)
         self.rank, self.world = rank, world
         self.settings = cfg.models[model].trainer.deepspeed
@@ -318,15 +322,36 @@ class ZeroLearner(Learner):
         stats.update(lr=lr, kl_cut=float(cut), trained_samples=float(0 if cut else len(chosen)))
         return StepResult(self.version, len(held), loss_sum, grad_norm, stats, skipped, untrained, why)
 
-    def gathered(self) -> dict[str, torch.Tensor]:
-        """The shipped tensors, whole on every rank (gathered from their ZeRO-3 shards): clones."""
+    def gathered(self, sink: str | None = None) -> dict[str, torch.Tensor]:
+        """The shipped tensors, whole (gathered from their ZeRO-3 shards), as clones on rank 0 (the other ranks
+        return nothing: only rank 0's answer is used). Gathered :data:`LIVE` elements at a time, so that no rank
+        ever holds the whole model twice. ``sink``: a directory where rank 0 writes each gathered part as it comes
+        (``<n>.pt``) instead of keeping it, so that not even rank 0 holds the whole model at once."""
         own = shipped_tensors(self.net, self.lora)
         if self.stage < 3:
-            return {k: t.detach().clone() for k, t in own.items()}
+            whole = {k: t.detach().clone() for k, t in own.items()}
+            if sink is not None and self.rank == 0:
+                torch.save(whole, Path(sink) / "0000.pt")
+                return {}
+            return whole
         import deepspeed
 
-        with deepspeed.zero.GatheredParameters(list(own.values()), modifier_rank=None):
-            return {k: t.detach().clone() for k, t in own.items()}
+        out: dict[str, torch.Tensor] = {}
+        names = list(own)
+        i = 0
+        while i < len(names):
+            chunk: list[str] = []
+            size = 0
+            while i < len(names) and (not chunk or size + getattr(own[names[i]], "ds_numel", 0) <= LIVE):
+                chunk.append(names[i])
+                size += getattr(own[names[i]], "ds_numel", own[names[i]].numel())
+                i += 1
+            with deepspeed.zero.GatheredParameters([own[k] for k in chunk], modifier_rank=None):
+                if self.rank == 0 and sink is not None:
+                    torch.save({k: own[k].detach().clone() for k in chunk}, Path(sink) / f"{i:06d}.pt")
+                elif self.rank == 0:
+                    out.update({k: own[k].detach().clone() for k in chunk})
+        return out
 
     def save_zero(self, tag: str) -> dict[str, Any]:
         """DeepSpeed's checkpoint of this version (weights and AdamW's shards) as ``zero/<tag>``, on disk."""
@@ -337,6 +362,24 @@ class ZeroLearner(Learner):
         if self.rank == 0:
             _prune_tags(self.zero_dir, keep=KEEP_TAGS)
         return {"deepspeed": {"tag": tag, "ranks": self.world, "zero_stage": self.stage}}
+
+    def save_swap(self, directory: str) -> None:
+        """The training pool's Set of a gang: every rank writes its shard (weights and AdamW's) to ``directory``
+        (host memory), DeepSpeed's checkpoint format; an older state there is replaced."""
+        where = Path(directory)
+        if self.rank == 0 and where.exists():
+            shutil.rmtree(where)
+        torch.distributed.barrier()
+        self.engine.save_checkpoint(str(where), tag="swap", client_state={"version": self.version},
+                                    save_latest=False, exclude_frozen_parameters=self.lora)
+        torch.distributed.barrier()
+
+    def load_swap(self, directory: str, version: int) -> None:
+        """The pool's Get of a gang: every rank reads its shard back (the gang has as many ranks as it had)."""
+        self.engine.load_checkpoint(directory, tag="swap", load_optimizer_states=True,
+                                    load_lr_scheduler_states=False, load_module_strict=not self.lora)
+        self.version = version
+        self.pending, self.accumulated, self._reward_kl = [], 0, []
 
     def load_zero(self, version: int, tensors: dict[str, torch.Tensor] | None, ref: dict[str, Any] | None) -> str:
         """Restore ``version``: DeepSpeed's checkpoint named by ``ref`` where it is on disk (weights and AdamW), else
@@ -529,6 +572,21 @@ class ZeroLearner(Learner):
             state.clear()
 
 
+M_MMAP_THRESHOLD, M_ARENA_MAX = -3, -8  # glibc's mallopt parameters
+
+
+def _return_freed_memory() -> None:
+    """glibc's malloc in this process: blocks of 1 MB and more mapped on their own (returned to the system when
+    freed), two arenas. Its defaults (a threshold that rises to 32 MB, an arena per thread) keep the freed
+    temporaries of every step cached: a 354M-parameter ZeRO-3 rank grew from 3.1 to 6.5 GB over three steps with
+    them, and stayed at 4.1 GB with these (tests/deepspeed/test_memory_cap.py). A ZeRO rank exists to fit a memory
+    budget, so it pays the extra page faults. No-op where glibc is not the allocator."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(M_MMAP_THRESHOLD, 1 << 20)
+        libc.mallopt(M_ARENA_MAX, 2)
+
+
 def _sync_tree(path: Path) -> None:
     """fsync every file under ``path`` (this rank's and the others': each syncs what it sees) and the directory."""
     if not path.is_dir():
@@ -590,7 +648,9 @@ class TrainerGroup:
     (a commit's DeepSpeed checkpoint), :meth:`load_state_dict` and :meth:`close`.
     """
 
-    def __init__(self, cfg: ChorusConfig, model: str, threads: int = 1) -> None:
+    def __init__(self, cfg: ChorusConfig, model: str, threads: int = 1,
+                 cores: Sequence[Sequence[int]] | None = None) -> None:
+        """``cores``: rank r's CPU cores at ``cores[r - 1]`` (a training pool's gang: the other slots' cores)."""
         if importlib.util.find_spec("deepspeed") is None:
             raise ConfigError(f"models.{model}.trainer.backend is deepspeed, but deepspeed is not installed in this "
                               f"environment ({sys.executable}): `make venv-deepspeed` adds it")
@@ -608,10 +668,25 @@ class TrainerGroup:
         self.groups: dict[int, MemoryGroup] = {} if own is None else {
             r: MemoryGroup(own[0].path.with_name(f"{own[0].path.name}-rank{r}")).create(own[1], fresh=True)
             for r in range(1, self.world)}
+        placed = {r: list(cores[r - 1]) for r in range(1, self.world)} if cores else {}
+
+        def enter(r: int) -> Callable[[], None] | None:
+            if r not in self.groups and r not in placed:
+                return None
+
+            def run() -> None:
+                if r in self.groups:
+                    self.groups[r].enter()
+                if r in placed:
+                    os.sched_setaffinity(0, placed[r])
+            return run
+
         self.children = [subprocess.Popen([sys.executable, "-m", "services.trainer.zero", str(spec), model, str(r),
-                                           str(self.world), str(port), str(threads)],
-                                          env={**os.environ, **_environment(threads, cuda)},
-                                          preexec_fn=self.groups[r].enter if r in self.groups else None)
+                                           str(self.world), str(port),
+                                           str(len(placed[r]) if r in placed else threads)],
+                                          env={**os.environ, **_environment(len(placed[r]) if r in placed else threads,
+                                                                            cuda)},
+                                          preexec_fn=enter(r))
                          for r in range(1, self.world)]
         self.loaded = "nothing: fresh weights"  # what the last restore loaded (the service logs it)
         try:
@@ -712,6 +787,30 @@ class TrainerGroup:
         version = int(state["version"])
         self._broadcast("load_zero", (version, None, ref))
         self.loaded = self.local.load_zero(version, state["model"], ref)
+
+    def save_weights(self, directory: Path) -> list[Path]:
+        """The whole weights written to ``directory`` part by part as they are gathered (rank 0 never holds them
+        all at once); the parts, in order."""
+        directory.mkdir(parents=True, exist_ok=True)
+        self._all("gathered", str(directory))
+        return sorted(directory.glob("*.pt"))
+
+    def export_swap(self, directory: Path) -> tuple[int, bytes]:
+        """The training pool's Set: every rank's shard to ``directory``, and rank 0's record of the micro-batches
+        since the last step (only rank 0 has them); returns the bytes written and the record."""
+        self._all("save_swap", str(directory))
+        size = sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
+        local = self.local
+        record = {"version": local.version, "accumulated": local.accumulated, "pending": local.pending,
+                  "reward_kl": local._reward_kl}
+        return size, pickle.dumps(record, protocol=pickle.HIGHEST_PROTOCOL)
+
+    def import_swap(self, directory: Path, record: bytes) -> None:
+        """The pool's Get: every rank loads its shard back, rank 0 its record."""
+        state = pickle.loads(record)
+        self._all("load_swap", str(directory), int(state["version"]))
+        self.local.pending, self.local.accumulated = state["pending"], state["accumulated"]
+        self.local._reward_kl = state["reward_kl"]
 
     def save_checkpoint(self, directory: Path) -> Path:
         return save_checkpoint(self, directory)

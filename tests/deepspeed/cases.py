@@ -85,7 +85,7 @@ def train(learner, cfg: ChorusConfig, steps: int = STEPS) -> list[float]:  # typ
 
 
 def main(config: str, out: str, mode: str = "train") -> int:
-    """``train``: STEPS steps. ``restore``: one step, then the group restored to its starting weights at version 0
+    """``train``: STEPS steps (``stream``: the same, the weights written part by part). ``restore``: one step, then the group restored to its starting weights at version 0
     from the weights alone (no DeepSpeed checkpoint: AdamW afresh), then STEPS steps."""
     from services.trainer.zero import TrainerGroup
 
@@ -97,8 +97,12 @@ def main(config: str, out: str, mode: str = "train") -> int:
             train(group, cfg, steps=1)
             group.load_state_dict({"version": 0, "model": start, "optimizer": None})
         losses = train(group, cfg)
-        torch.save({"losses": losses, "tensors": {k: t.clone() for k, t in group.named_tensors().items()},
-                    "version": group.version}, out)
+        if mode == "stream":  # the weights part by part to <out>.parts/ (rank 0 never holds them all at once)
+            parts = group.save_weights(Path(f"{out}.parts"))
+            torch.save({"losses": losses, "parts": [str(p) for p in parts], "version": group.version}, out)
+        else:
+            torch.save({"losses": losses, "tensors": {k: t.clone() for k, t in group.named_tensors().items()},
+                        "version": group.version}, out)
     finally:
         group.close()
     return 0

@@ -414,23 +414,32 @@ class FaultRun:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             s = (await self.ledger.status("trainer")).get("pool", {})
-            busy = [x for x in s.get("slots", []) if x.get("call") == "micro_batch" and x.get("pid")]
+            # a gang's rank (a DeepSpeed group in the pool): while its slot runs a micro-batch or the step (rank 0
+            # only records a micro-batch's samples; every rank computes them in the step)
+            calls = ("micro_batch", "step") if fault.rank else ("micro_batch",)
+            busy = [x for x in s.get("slots", []) if x.get("call") in calls and x.get("pid")
+                    and (not fault.rank or x.get("holder") == fault.model)]
             if not busy:
                 await asyncio.sleep(0.005)
                 continue
             lost = s["swap"]["lost"]
+            pid = busy[0]["pid"]
+            if fault.rank:  # rank ``rank`` of a gang (a DeepSpeed group in the pool): its rank 0 is the slot's process
+                pid = await follower_pid(pid, fault.rank, timeout_s=5.0)
             with contextlib.suppress(ProcessLookupError):
-                os.kill(busy[0]["pid"], signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
             before = await self.ledger.trained()
             fault.landed_at = dict(before)
-            self.log.append(f"{time.strftime('%H:%M:%S')} {fault.name} (pid {busy[0]['pid']}, holding "
-                            f"{busy[0]['holder']}) at {before}")
-            for _ in range(100):
+            self.log.append(f"{time.strftime('%H:%M:%S')} {fault.name} (pid {pid}, rank {fault.rank} of the slot "
+                            f"holding {busy[0]['holder']}) at {before}")
+            # a gang's rank: lost at the group's next collective (its step), once the batch is in
+            for _ in range(2400 if fault.rank else 100):
                 now = (await self.ledger.status("trainer")).get("pool", {}).get("swap", {}).get("lost", lost)
                 if now > lost:
                     return before
                 await asyncio.sleep(0.05)
-        raise AssertionError("no slot worker was caught inside a micro-batch within 60 s\n" + "\n".join(self.log))
+        raise AssertionError(f"no slot worker was caught inside {' or '.join(calls)} within 60 s\n"
+                             + "\n".join(self.log))
 
     async def _busy_instance(self, model: str, timeout_s: float = 30.0) -> str:
         """The first rollouter instance of ``model`` seen with requests in flight or queued (asked every 50 ms in

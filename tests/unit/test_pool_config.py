@@ -35,12 +35,16 @@ def test_the_pool_config_plans_one_trainer_process_for_its_four_models() -> None
         "trainer-solver_lm-0", "trainer-verifier_lm-0"}
 
 
-def test_a_deepspeed_model_in_a_pool_is_refused_naming_it(tmp_path: Path) -> None:
+def test_a_deepspeed_model_in_a_pool_is_a_gang_refused_only_when_it_has_more_ranks_than_slots(tmp_path: Path) -> None:
     base = yaml.safe_load(pool(tmp_path).read_text())
-    base["models"]["solver_lm"]["trainer"] = {"backend": "deepspeed"}
+    base["models"]["solver_lm"]["trainer"] = {"backend": "deepspeed", "deepspeed": {"ranks": 2}}
     p = tmp_path / "ds.yaml"
     p.write_text(yaml.safe_dump(base))
-    with pytest.raises(ConfigError, match=r"train\.pool\.slots: models\.solver_lm\.trainer\.backend is deepspeed"):
+    assert load_config(p).models["solver_lm"].trainer.deepspeed.ranks == 2  # two ranks on two slots: a gang
+    base["models"]["solver_lm"]["trainer"]["deepspeed"]["ranks"] = 3
+    p.write_text(yaml.safe_dump(base))
+    with pytest.raises(ConfigError, match=r"models\.solver_lm\.trainer\.deepspeed\.ranks \(3\) is more than "
+                                          r"train\.pool\.slots \(2\)"):
         load_config(p)
 
 

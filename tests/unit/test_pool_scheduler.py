@@ -195,3 +195,52 @@ def test_the_host_memory_of_a_killed_pool_is_swept_and_a_live_ones_kept(tmp_path
     assert not dead.exists() and live.exists() and store.memory_dir.parent == tmp_path
     store.close()
     assert not store.memory_dir.exists()
+
+
+def test_a_gang_takes_its_slots_at_once_waits_first_come_first_served_and_gives_them_back_together():
+    clock = Clock()
+    s = SlotScheduler(3, clock, sizes={"g": 2})
+    assert s.want("a") == 0 and s.want("b") == 1
+    assert s.want("g") is None  # one slot free, the gang needs two
+    assert s.want("c") is None and list(s.waiting) == ["g", "c"]  # c does not overtake the gang at the head
+    assert s.slots[2].holder is None  # the price of no overtaking: a free slot waits for the gang
+    clock.t = 2.0
+    grants = s.release("a")
+    assert grants == [("g", 2)] or grants == [("g", 0)], grants
+    assert sorted(s.gang("g")) == [0, 2] and s.holding("g") == s.gang("g")[0]
+    assert [x.holder for x in s.slots] == ["g", "b", "g"] and list(s.waiting) == ["c"]
+    clock.t = 5.0
+    assert s.release("g") == [("c", s.holding("c"))] and s.gang("g") == []
+    assert sorted(x.holder or "" for x in s.slots) == ["", "b", "c"]
+    assert s.busy_seconds()[0] == pytest.approx(5.0) and s.busy_seconds()[2] == pytest.approx(3.0)
+    # a gang that leaves while at the head of the queue lets the others through
+    assert s.want("g") is None and s.want("d") is None
+    assert s.leave("g") == [("d", next(x.index for x in s.slots if x.holder == "d"))]
+    with pytest.raises(ValueError, match="as many slots as its ranks"):
+        SlotScheduler(1, clock, sizes={"g": 2})
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_bursty_trace_with_a_gang_trains_everything_and_never_gives_a_gang_fewer_slots(seed):
+    rng = random.Random(seed)
+    clock = Clock()
+    s = SlotScheduler(3, clock, sizes={"g": 2})
+    models = ["g", "a", "b", "c"]
+    left = {m: 10 for m in models}
+    running: dict[str, float] = {}
+    while any(left.values()) or running:
+        for m in models:
+            if left[m] and m not in running and m not in s.waiting and s.holding(m) is None and rng.random() < 0.5:
+                if s.want(m) is not None:
+                    running[m] = clock.t + rng.uniform(0.5, 2.0)
+        clock.t += 0.25
+        for m, end in list(running.items()):
+            if end <= clock.t:
+                left[m] -= 1
+                del running[m]
+                for got, _ in s.release(m):
+                    running[got] = clock.t + rng.uniform(0.5, 2.0)
+        assert len(s.gang("g")) in (0, 2)
+        for m in running:
+            assert s.holding(m) is not None
+    assert not s.waiting and all(x.holder is None for x in s.slots)

@@ -153,10 +153,12 @@ def transport_problems(cfg: ChorusConfig) -> list[str]:
     """The training pool's backends, the weight chunks' size and the sample queue's room."""
     out = []
     ds = deepspeed_models(cfg)
-    if cfg.train.pool.slots and ds:
-        out.append(f"train.pool.slots: models.{ds[0]}.trainer.backend is deepspeed; a DeepSpeed group in the "
-                   "training pool (its ranks gang-scheduled on as many slots) is not built yet: set backend: "
-                   "torch, or train.pool.slots: 0")
+    slots = cfg.train.pool.slots
+    for m in ds if slots else []:
+        ranks = cfg.models[m].trainer.deepspeed.ranks
+        if ranks > slots:
+            out.append(f"models.{m}.trainer.deepspeed.ranks ({ranks}) is more than train.pool.slots ({slots}): in "
+                       "the training pool a DeepSpeed group is a gang that takes one slot per rank, all at once")
     if cfg.paramsync.chunk_kb * 1024 > cfg.nats.max_payload_mb * 1024 * 1024:
         out.append(f"paramsync.chunk_kb ({cfg.paramsync.chunk_kb}) must fit in one NATS message "
                    f"(nats.max_payload_mb {cfg.nats.max_payload_mb})")
