@@ -54,9 +54,8 @@ def _when(cond, what: str) -> None:  # noqa: ANN001 - a predicate
         time.sleep(0.005)
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_a_gang_waits_for_two_slots_swaps_by_shards_and_survives_its_ranks_killed(tmp_path, stage) -> None:
-    config = gang_config(tmp_path, stage)
+def test_a_gang_waits_for_two_slots_swaps_by_shards_and_survives_its_ranks_killed(tmp_path) -> None:
+    config = gang_config(tmp_path, stage=3)  # ZeRO-3: weights, gradients and AdamW all sharded (stage 2 by the run below)
     cfg = load_config(config)
     pool = TrainingPool(cfg)
     try:
@@ -119,7 +118,7 @@ def test_a_gang_waits_for_two_slots_swaps_by_shards_and_survives_its_ranks_kille
         torch.testing.assert_close(got[name], t, atol=1e-5, rtol=1e-4, msg=name)
 
 
-GANG_VERSIONS = 12
+GANG_VERSIONS = 10
 
 
 async def test_chorus_up_with_a_gang_and_two_torch_models_on_two_slots_loses_nothing_when_a_rank_dies(
@@ -141,7 +140,7 @@ async def test_chorus_up_with_a_gang_and_two_torch_models_on_two_slots_loses_not
     try:
         fault_run = FaultRun(tmp_path, run_id, broker, config, max_versions=GANG_VERSIONS, models=models, pool=True)
         outcome = await fault_run.run([Fault(SLOT, "kill", 3, model="planner_lm", rank=1),
-                                       Fault(SLOT, "kill", 7, model="planner_lm", rank=1)])
+                                       Fault(SLOT, "kill", 6, model="planner_lm", rank=1)])
     finally:
         broker.stop()
     print(table([("gang rank 1", outcome)]))

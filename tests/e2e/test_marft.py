@@ -72,10 +72,12 @@ async def test_the_tiny_marft_run_keeps_its_books_trains_its_critic_and_learns(n
 
     run_dir = sorted((tmp_path / "runs").glob(f"{run_id}-*"))[-1]
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    # The critic learns: its value loss over the last fifth of its steps is below the first fifth.
-    value_loss = [r["value_loss"] for r in lines if r.get("kind") == "critic_step"]
-    first, last = fifth_means(value_loss)
-    assert last < first, (first, last)
+    # The critic learns: over the last fifth of its steps its values explain more of the returns' variance than over
+    # the first fifth, and more than their mean does. (Not its value loss: that grows as the policy starts to win
+    # and the returns stop being nearly all zero.)
+    explained = [r["explained_variance"] for r in lines if r.get("kind") == "critic_step"]
+    first, last = fifth_means(explained)
+    assert last > max(first, 0.0), (first, last)
     # The team reward (it sits on the actor, the last agent of each round) rises by at least 0.3.
     steps = [r for r in lines if r.get("model") == "actor_lm" and "reward_mean" in r]
     assert len(steps) == VERSIONS

@@ -412,11 +412,11 @@ class FaultRun:
         slot is inside one, killed at once, and tried again until the pool counts a call lost under it (a kill that
         lands between two calls proves less). Its pool restarts it and runs the call again."""
         deadline = time.monotonic() + 60
+        # a gang's rank (a DeepSpeed group in the pool): while its slot runs a micro-batch or the step (rank 0 only
+        # records a micro-batch's samples; every rank computes them in the step)
+        calls = ("micro_batch", "step") if fault.rank else ("micro_batch",)
         while time.monotonic() < deadline:
             s = (await self.ledger.status("trainer")).get("pool", {})
-            # a gang's rank (a DeepSpeed group in the pool): while its slot runs a micro-batch or the step (rank 0
-            # only records a micro-batch's samples; every rank computes them in the step)
-            calls = ("micro_batch", "step") if fault.rank else ("micro_batch",)
             busy = [x for x in s.get("slots", []) if x.get("call") in calls and x.get("pid")
                     and (not fault.rank or x.get("holder") == fault.model)]
             if not busy:
