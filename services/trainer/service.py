@@ -259,7 +259,7 @@ class TrainerService(Service):
                 self.counters["group_rank_exits"] += 1
                 for rank, oom in self.learner.out_of_memory():
                     self.counters["oom_kills"] += 1
-                    hint = advice(self.model, "deepspeed", self.learner.world, self.learner.stage)
+                    hint = advice(self.learner.model_name, "deepspeed", self.learner.world, self.learner.stage)
                     self.log.error("a rank of the trainer group was killed by the kernel's out-of-memory killer",
                                    rank=rank, evidence=oom.evidence(), advice=hint)
                     await self.event(events.OUT_OF_MEMORY, who=f"rank {rank}", evidence=oom.evidence(), advice=hint,
