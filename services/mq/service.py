@@ -140,9 +140,10 @@ class MqService(Service):
                 await asyncio.sleep(0.5)
                 continue
             await self._intake(msgs)
-            await self._report(self.store.set_trained_version(self.trained_version))
             if self.trained_version >= self.cfg.train.max_versions:
+                # First: a sample that arrives once the run is over is dropped as finished, whatever its age
                 await self._report(self.store.finish())
+            await self._report(self.store.set_trained_version(self.trained_version))
             if self.cfg.train.mode == "async":
                 # Over capacity (a slow or stalled trainer): the oldest groups go, counted, so memory stays
                 # bounded and the coordinator keeps serving the other models.
