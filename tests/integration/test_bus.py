@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 
 import nats
@@ -96,5 +98,36 @@ async def test_listing_reading_and_deleting_leave_no_consumer_and_no_tombstone(n
             await store.get_info("weights/m/v1")
         assert await delete_object(js, bucket, "weights/m/v2")
         assert (await js.stream_info(f"OBJ_{bucket}")).state.messages == 0  # chunks and meta gone
+    finally:
+        await nc.close()
+
+
+async def test_a_read_goes_by_direct_gets_without_the_jetstream_api_and_falls_back_where_they_are_off(
+        nats_url: str, run_id: str) -> None:
+    """A weight sync to many instances reads one object many times at once: by batched direct gets (any replica
+    answers, no consumer, no API request), and the old way on a stream that does not allow direct gets."""
+    nc = await nats.connect(nats_url)
+    try:
+        js = nc.jetstream()
+        bucket = f"b{run_id}"
+        await js.create_object_store(bucket)
+        data = os.urandom(300 * 1024 + 3)
+        await write_object(js, bucket, "w", [data], chunk_bytes=64 * 1024)
+
+        async def api_requests() -> int:
+            return int(json.loads((await nc.request("$JS.API.INFO", b"", timeout=5)).data)["api"]["total"])
+
+        before = await api_requests()
+        reads = await asyncio.gather(*(read_object(js, bucket, "w") for _ in range(16)))
+        assert all(r == data for r in reads)
+        assert await api_requests() - before <= 1  # the INFO request itself: no consumer, no stream info, no get
+        assert (await js.stream_info(f"OBJ_{bucket}")).state.consumer_count == 0
+        # the same object store without direct gets (a stream made by an older client): read through a consumer
+        info = await js.stream_info(f"OBJ_{bucket}")
+        info.config.allow_direct = False
+        await js.update_stream(info.config)
+        before = await api_requests()
+        assert await read_object(js, bucket, "w") == data
+        assert await api_requests() - before > 1
     finally:
         await nc.close()
