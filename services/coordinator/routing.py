@@ -35,6 +35,9 @@ from shared.kernel.subjects import Names
 MAX_LAUNCHES = 8  # attempts of one request, over every instance, before it is given up
 BACKOFF_MAX_S = 2.0
 REGISTRY_POLL_S = 1.0  # how often the KV registrations are read (an instance joins within this and a report)
+# ... at least: a listing reads every registration, so with many instances it is read less often (1024: every
+# 5 s); an instance's load report at its join still makes it known at once
+REGISTRY_POLL_PER_INSTANCE_S = 0.005
 
 
 class NoInstance(LookupError):
@@ -70,7 +73,7 @@ class RolloutRouter:
         self.models = models
         self.log = log
         bal = host.cfg.balance
-        self.manager = RolloutManager(heartbeat_s=bal.report_interval_s, misses=bal.misses)
+        self.manager = RolloutManager(heartbeat_s=bal.heartbeat_s, misses=bal.misses)
         self.migrations: list[dict[str, Any]] = []  # the last ones, for status
         self._last_migration = 0.0
         # instances removed as dead or silent: their KV registration may outlive them (a frozen process keeps it),
@@ -121,13 +124,14 @@ class RolloutRouter:
     async def _registry_loop(self) -> None:
         last_read = time.monotonic()
         while not self.host.stopping:
-            await asyncio.sleep(self.manager.heartbeat_s)
+            await asyncio.sleep(min(self.manager.heartbeat_s, REGISTRY_POLL_S))
             for model, name, lost in self.manager.expire(time.monotonic()):
                 self._gone.add((model, name))
                 self.host.counters["rollouters_expired"] += 1
                 self.log.warning("rollouter instance missed its heartbeats; removed", model=model, instance=name,
                                  requests_to_rerun=len(lost))
-            if time.monotonic() - last_read >= REGISTRY_POLL_S:
+            known = sum(len(v) for v in self.manager.instances.values())
+            if time.monotonic() - last_read >= max(REGISTRY_POLL_S, known * REGISTRY_POLL_PER_INSTANCE_S):
                 last_read = time.monotonic()
                 await self._read_registry()
 

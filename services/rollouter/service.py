@@ -229,17 +229,25 @@ class RollouterService(Service):
                 **self.batcher.snapshot()}
 
     # --- load reports (the rollout manager's heartbeats) ------------------------------------
-    async def _report_load(self, routing: bool | None = None) -> None:
+    async def _report_load(self, routing: bool | None = None, *, unless_unchanged: bool = False) -> None:
+        """Publish the load report; ``unless_unchanged``: only if it differs from the last one or that one is
+        ``balance.keepalive_s`` old (the heartbeat of an instance whose load did not change)."""
         assert self.model is not None
         occ = self.batcher.occupancy()
         report = LoadReport(model=self.model, instance=self.instance, queued_rows=occ["queued_rows"],
                             running_rows=occ["running_rows"], tokens=occ["tokens"],
                             routing=self.routing if routing is None else routing, version=self.engine.version)
+        now = time.monotonic()
+        last, at = getattr(self, "_last_report", (None, 0.0))
+        if unless_unchanged and report == last and now - at < self.cfg.balance.keepalive_s:
+            self.counters["load_reports_skipped"] += 1
+            return
+        self._last_report = (report, now)
         await self.publish_quietly(self.names.rollout_load(self.model), encode_json(report))
 
     async def _load_loop(self) -> None:
         while not self.stopping:
-            await self._report_load()
+            await self._report_load(unless_unchanged=True)
             await asyncio.sleep(self.cfg.balance.report_interval_s)
 
     # --- routing -------------------------------------------------------------------------

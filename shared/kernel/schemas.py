@@ -316,8 +316,9 @@ class DepthReport(Message):
 
 
 class LoadReport(Message):
-    """A rollouter instance's load (JSON on ``rollout.<model>.load``), every ``balance.report_interval_s``: its
-    heartbeat to the coordinator's rollout manager."""
+    """A rollouter instance's load (JSON on ``rollout.<model>.load``) when it changed (looked at every
+    ``balance.report_interval_s``), and at least every ``balance.keepalive_s``: its heartbeat to the coordinator's
+    rollout manager."""
 
     model: str
     instance: str

@@ -73,8 +73,17 @@ class BalanceSection(Section):
     poll_s: float = Field(default=1.0, gt=0)  # how often the manager compares the models' queue lengths
     window: int = Field(default=4, ge=1)  # the queue lengths compared are the means of the last `window` polls
     cooldown_s: float = Field(default=5.0, ge=0)  # after a migration, the next waits this long (loads settle)
-    report_interval_s: float = Field(default=0.5, gt=0)  # each rollouter's load report (its heartbeat)
-    misses: int = Field(default=4, ge=1)  # heartbeats missed in a row before an instance is removed
+    # each rollouter looks at its load this often and reports it when it changed (and when it joins or leaves
+    # routing); an unchanged load is reported again every keepalive_s (its heartbeat): a thousand idle instances
+    # cost the coordinator a few hundred reports a second, not thousands
+    report_interval_s: float = Field(default=0.5, gt=0)
+    keepalive_s: float = Field(default=5.0, gt=0)
+    misses: int = Field(default=4, ge=1)  # heartbeats missed in a row (misses x keepalive_s) before it is removed
+
+    @property
+    def heartbeat_s(self) -> float:
+        """The longest an instance stays silent while alive: its unchanged load's report comes this often."""
+        return max(self.report_interval_s, self.keepalive_s)
 
 
 class RolloutPoolSection(Section):
