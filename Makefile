@@ -10,7 +10,7 @@ CONFIG ?= configs/demo.yaml
 # The extras `make venv` installs. Not ucx: ucxx-cu12 pulls CUDA libraries (make venv-ucx adds it).
 VENV_EXTRAS := dev
 
-.PHONY: test-browser compose-test test-hosts chaos venv venv-ucx venv-vllm test-vllm venv-deepspeed test-deepspeed demo test test-long test-cuda test-ucx e2e faults soak lint plot bench docs check-cpu-deps clean
+.PHONY: test-browser compose-test test-hosts chaos venv venv-ucx venv-vllm test-vllm venv-deepspeed test-deepspeed demo test test-long test-cuda gpu-wheels gpu-check test-ucx e2e faults soak lint plot bench docs check-cpu-deps clean
 
 venv: $(STAMP)
 
@@ -120,6 +120,19 @@ MINUTES ?= 30
 SEED ?=
 chaos: venv
 	CHAOS_MINUTES=$(MINUTES) CHAOS_SEED=$(SEED) $(BIN)/pytest -q -p no:cacheprovider -m chaos -s --timeout 0 tests/hosts/test_chaos.py
+
+# The GPU check (docs/backends.md#the-gpu-check) on a machine with a CUDA build of torch and nothing else installed:
+# the cuda-marked tests, the rollout engines against transformers' generate (float32, bfloat16), a ZeRO-2 group on
+# NCCL against the torch learner and the training pool's device <-> host swap, within 8 minutes; every figure in
+# $$OUT/gpu-check.json (else runs/gpu-check/). No venv: run.sh finds the python that has torch. ARGS=--dry-run: every
+# part on the CPU, tiny sizes.
+gpu-check:
+	bash deploy/gpu-check/run.sh $(ARGS)
+
+# What gpu-check needs beyond torch, fetched here (PyPI) into deploy/gpu-check/carry/ (ignored by git): the wheels for
+# CPython 3.12, SmolLM2's config and tokenizer; fails past the 64 MiB that travel with the working tree.
+gpu-wheels: venv-deepspeed
+	$(BIN)/python deploy/gpu-check/wheels.py
 
 # The tests that need ucxx (marked ucx; `make test` deselects them). They fail, not skip, without it.
 test-ucx: venv-ucx

@@ -193,6 +193,7 @@ class HFGenerate(Arm):
             for i, p in enumerate(chunk):
                 ids[i, width - len(p):] = torch.tensor(p)
                 mask[i, width - len(p):] = 1
+            ids, mask = ids.to(self.model.device), mask.to(self.model.device)  # a model on a GPU (gpu_check.py)
             # EOS off: the chunk runs to its longest row, every row to the end (what a static batch costs).
             cfg = GenerationConfig(do_sample=False, max_new_tokens=max(need), min_new_tokens=max(need),
                                    eos_token_id=None, pad_token_id=self.tokenizer.pad_id)
