@@ -5,6 +5,7 @@ loss falls, the team reward rises, and `chorus up` plots the value loss and the 
 from __future__ import annotations
 
 import json
+import statistics
 from collections import Counter, defaultdict
 
 import nats
@@ -24,6 +25,11 @@ VERSIONS = 150  # configs/marft-tiny.yaml's own: by then the critic has caught u
 def fifth_means(xs: list[float]) -> tuple[float, float]:
     n = max(1, len(xs) // 5)
     return sum(xs[:n]) / n, sum(xs[-n:]) / n
+
+
+def fifth_medians(xs: list[float]) -> tuple[float, float]:
+    n = max(1, len(xs) // 5)
+    return statistics.median(xs[:n]), statistics.median(xs[-n:])
 
 
 @pytest.mark.full  # in make test-long (CI), out of make test's 20 minutes
@@ -74,9 +80,10 @@ async def test_the_tiny_marft_run_keeps_its_books_trains_its_critic_and_learns(n
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     # The critic learns: over the last fifth of its steps its values explain more of the returns' variance than over
     # the first fifth, and more than their mean does. (Not its value loss: that grows as the policy starts to win
-    # and the returns stop being nearly all zero.)
+    # and the returns stop being nearly all zero.) Medians, not means: a batch whose returns are nearly all equal has
+    # a variance near 0 and one such batch's explained variance (-400 is seen) outweighs sixty steps near 0.9.
     explained = [r["explained_variance"] for r in lines if r.get("kind") == "critic_step"]
-    first, last = fifth_means(explained)
+    first, last = fifth_medians(explained)
     assert last > max(first, 0.0), (first, last)
     # The team reward (it sits on the actor, the last agent of each round) rises by at least 0.3.
     steps = [r for r in lines if r.get("model") == "actor_lm" and "reward_mean" in r]
