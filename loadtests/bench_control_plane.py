@@ -195,10 +195,17 @@ async def _child(spec: dict[str, Any]) -> None:
     loop = asyncio.get_running_loop()
     gate = asyncio.Semaphore(STARTING)
     stop = asyncio.Event()
+    served: list[Any] = []  # every service object served, those an instance migrated into included
 
     async def one(svc: Any) -> int:
+        from shared.kernel.service import serve_until_started
+
+        def make(model: str | None = svc.model, instance: str = svc.instance) -> Any:
+            # as a service's own process does: a restart after a failed start, or the model it migrates to
+            return type(svc)(cfg, nats_url=url, instance=instance, model=model)
+
         async with gate:
-            task = asyncio.ensure_future(svc.serve())
+            task = asyncio.ensure_future(serve_until_started(svc, make, served))
             while not svc.ready and not task.done():
                 await asyncio.sleep(0.02)
         return await task
@@ -218,12 +225,15 @@ async def _child(spec: dict[str, Any]) -> None:
             break
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), 0.2)
-    for s in services:
-        s.stop()
+    while not all(r.done() for r in runs):  # again while they end: one that was migrating serves its new model
+        for s in served:
+            s.stop()
+        await asyncio.wait(runs, timeout=0.5)
     await asyncio.gather(*runs, return_exceptions=True)
     counters: Counter[str] = Counter()
-    for s in services:
+    for s in served:
         counters.update(s.counters)
+    counters["migrations"] = sum(s.migrate_to is not None for s in served)
     Path(spec["out_file"]).write_text(json.dumps({"counters": dict(counters), "fetches": FETCHES, "phases": PHASES,
                                                   "services": len(services)}))
 

@@ -4,8 +4,10 @@ rollouters and the actions service and publish every agent turn as a Sample to i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
+from collections import deque
 from typing import Any
 
 import nats.errors
@@ -48,8 +50,14 @@ from shared.results.plotting import last_generated
 from shared.results.tracking import EVAL_TRACKER, Trackers
 
 PUBLISH_ACK_TIMEOUT_S = 10.0  # a sample's PubAck; then it is sent again
-POLL_S = 0.05  # backpressure / budget re-check period
+POLL_S = 0.05  # MARFT's held batch: completeness re-check period
+# A task loop waiting for admission is woken when what admission reads changes (a depth report, a served or trained
+# version, a task's end), one loop at a time; it re-checks by itself at least this often (the time-based rules).
+ADMISSION_TICK_S = 1.0
 VERSION_POLL_S = 0.2
+# The served and trained versions come with every SyncDone and depth report; the poll of their KV keys (two reads a
+# model) is the backstop, so with many models it runs less often: 0.2 s up to 4 models, 1.6 s at 32.
+VERSION_POLL_PER_MODEL_S = 0.05
 DRAIN_S = 20.0
 EMA = 0.05
 CRITIC_TIMEOUT_S = 120.0  # a value request the critic accepted; it may be in the middle of a step
@@ -82,6 +90,7 @@ class CoordinatorService(Service):
         super().__init__(cfg, nats_url=nats_url, instance=instance, model=model)
         # A custom workflow is imported here, so a bad file or name stops the service before it connects.
         self.workflow = workflow_of(cfg)
+        self._admission_waiters: deque[asyncio.Future[None]] = deque()  # task loops waiting to start a task
 
     async def setup(self) -> None:
         cfg = self.cfg
@@ -215,6 +224,7 @@ class CoordinatorService(Service):
             self.served[m] = await kv_get_int(self.kv, self.names.version_key(m))
             self.admission.on_served(m, self.served[m])
             self.admission.on_trained(m, await kv_get_int(self.kv, self.names.trained_key(m)))
+        self._wake_admission()
 
     async def _version_loop(self) -> None:
         while not self.stopping:
@@ -229,7 +239,7 @@ class CoordinatorService(Service):
                 self.log.info("every model reached max_versions: no new tasks", trained=self.admission.trained)
                 self.spawn(self._close_publishing(), "close")
                 await self.event(events.ADMISSION_STOPPED, trained=dict(self.admission.trained))
-            await asyncio.sleep(VERSION_POLL_S)
+            await asyncio.sleep(max(VERSION_POLL_S, VERSION_POLL_PER_MODEL_S * len(self.models)))
 
     async def _write_generated(self) -> None:
         """The tokens generated so far, once per change of the trained versions (services/coordinator/generated.py)."""
@@ -256,6 +266,7 @@ class CoordinatorService(Service):
             self.served[model] = max(self.served.get(model, 0),
                                      await kv_get_int(self.kv, self.names.version_key(model)))
             self.admission.on_served(model, self.served[model])
+            self._wake_admission()
         except (nats.errors.Error, TimeoutError, ValueError) as exc:
             self.counters["version_poll_errors"] += 1
             self.log.warning("reading the served version failed", model=model, error=f"{type(exc).__name__}: {exc}")
@@ -271,6 +282,22 @@ class CoordinatorService(Service):
         self.admission.on_trained(report.model, report.trained_version)
         if self.pacer is not None:
             self.pacer.on_report(report.model, report.depth, report.trained_version, now)
+        self._wake_admission()
+
+    def stop(self, code: int = 0) -> None:
+        super().stop(code)
+        for fut in self._admission_waiters:  # every waiting loop sees `stopping` now
+            if not fut.done():
+                fut.set_result(None)
+
+    def _wake_admission(self) -> None:
+        """What admission reads changed: the first task loop waiting for it checks again now (admitted, it wakes
+        the next: one check per change, not one per waiting loop)."""
+        while self._admission_waiters:
+            fut = self._admission_waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)
+                return
 
     async def _wait_admitted(self) -> bool:
         """Wait until a new task may start; False when the service is stopping."""
@@ -280,6 +307,7 @@ class CoordinatorService(Service):
                 await asyncio.sleep(VERSION_POLL_S)  # idle until SIGTERM (or a restored budget)
                 continue
             if self._admit():
+                self._wake_admission()  # room for one more? the next waiting loop looks
                 return True
             if not waited:
                 waited = True
@@ -287,7 +315,10 @@ class CoordinatorService(Service):
             if not paced and self.pacer is not None and self.pacer.held_by:
                 paced = True
                 self.counters["tasks_paced"] += 1  # held back by the staleness capacity of some model
-            await asyncio.sleep(POLL_S)
+            fut = asyncio.get_running_loop().create_future()
+            self._admission_waiters.append(fut)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(fut, ADMISSION_TICK_S)
         return False
 
     def _admit(self) -> bool:
@@ -481,6 +512,7 @@ class CoordinatorService(Service):
             self.gate.finished(None if ep is None else per_model(ep), ticket)
         if self.pacer is not None:
             self.pacer.finished(None if ep is None else per_model(ep))
+        self._wake_admission()
 
     async def _workflow_failed(self, exc: Exception, task_id: str) -> None:
         """Count a failure of the workflow; log each distinct error once; stop the run past max_failures."""

@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import random
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -49,6 +50,7 @@ from shared.kernel.schemas import (
     LoadReport,
     RolloutControl,
     RolloutControlReply,
+    SyncDone,
     WeightsAnnounce,
 )
 from shared.kernel.service import Service
@@ -68,7 +70,10 @@ def migrated_name(cfg: ChorusConfig, model: str, instance: str, target: str) -> 
         home_model, home_instance = model, instance
     return home_instance if target == home_model else f"{home_model}{AWAY}{home_instance}"
 STOP_TIMEOUT_S = 20.0
-CATCH_UP_S = 1.0  # how often an instance checks that it serves the version in KV
+# How often an instance checks, by itself, that it serves the version in KV and is registered (two KV reads): each
+# sync's SyncDone wakes the check at once, so this is the backstop for one that was missed (a reconnect, a partition),
+# spread by a random tenth so that a thousand instances do not read at the same instant.
+CATCH_UP_S = 5.0
 JOIN_POLL_S = 0.2  # how often an instance out of routing tries to join
 
 
@@ -191,6 +196,8 @@ class RollouterService(Service):
         for verb in VERBS:
             await self.nc.subscribe(self.names.rollout_control(self.model, self.instance, verb),
                                     cb=self._control_handler(verb))
+        self._check_now = asyncio.Event()  # a sync of this model ended: is this instance behind?
+        await self.nc.subscribe(self.names.sync_done(self.model), cb=self._on_sync_done)
         # Register once the control subjects answer (paramsync lists it from now on), then join routing.
         await self._register()
         if not await self._try_join():
@@ -588,12 +595,26 @@ class RollouterService(Service):
                                         paused=self.batcher.paused, error=error)
             await msg.respond(encode(reply))
 
+    async def _on_sync_done(self, msg: Msg) -> None:
+        """A sync of this model ended: the catch-up check runs now, not at its next period (a sync that failed on
+        this instance, or did not list it, leaves it behind). One that holds that version already reads nothing."""
+        try:
+            done = decode(SyncDone, msg.data)
+        except DecodeError:
+            self._check_now.set()  # cannot tell: look
+            return
+        if done.version > self.engine.version:
+            self._check_now.set()
+
     async def _catch_up_loop(self) -> None:
         """Load the served version if it is ahead of ours: a sync that failed on this instance (or missed it: its
         registration was dropped) would otherwise leave it behind. It leaves routing first, so no request meets
         the old weights, and joins again once loaded."""
         while not self.stopping:
-            await asyncio.sleep(CATCH_UP_S if self.routing else JOIN_POLL_S)
+            period = CATCH_UP_S * random.uniform(0.9, 1.1) if self.routing else JOIN_POLL_S
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._check_now.wait(), period)
+            self._check_now.clear()
             if self.batcher.paused:
                 continue  # paramsync is at work
             await self._check_registered()

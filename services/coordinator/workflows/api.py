@@ -25,6 +25,14 @@ if TYPE_CHECKING:
     from services.coordinator.tasks import Task
 
 BATCH_WINDOW_S = 0.02  # longest wait for rollouts busy elsewhere before a partial batch goes out
+# Prompts and answers up to this size are (de)tokenized on the event loop: that takes microseconds, and the hop
+# to a worker thread and back (two GIL hand-offs) costs more; longer ones go to a thread.
+INLINE_CHARS = 4096
+INLINE_TOKENS = 1024
+
+
+async def _maybe_in_thread(fn: Callable[[], Any], small: bool) -> Any:
+    return fn() if small else await asyncio.to_thread(fn)
 
 
 class Abandon(Exception):
@@ -279,16 +287,18 @@ class Runtime:
                    sampling: dict[str, Any]) -> Callable[[list[Any]], Awaitable[list[GenResult]]]:
         async def run(items: list[tuple[str, str | list[int]]]) -> list[GenResult]:
             tok = await self.tokenizers.get(model)
-            prompts = await asyncio.to_thread(
-                lambda: [tok.chat(system, p) if isinstance(p, str) else [int(i) for i in p] for system, p in items]
-            )
+            chars = sum(len(system or "") + len(p) for system, p in items)
+            prompts = await _maybe_in_thread(
+                lambda: [tok.chat(system, p) if isinstance(p, str) else [int(i) for i in p] for system, p in items],
+                chars <= INLINE_CHARS)
             t0 = time.monotonic()
             rows = await self._generate(model, adapter, prompts, **sampling)
             if len(rows) != len(prompts):
                 raise ValueError(f"{model}: expected {len(prompts)} rows, got {len(rows)}")
             seconds = time.monotonic() - t0
             self.tokens_generated += sum(len(r.ids) for r in rows)
-            texts = await asyncio.to_thread(lambda: [tok.decode(r.ids) for r in rows])
+            texts = await _maybe_in_thread(lambda: [tok.decode(r.ids) for r in rows],
+                                           sum(len(r.ids) for r in rows) <= INLINE_TOKENS)
             for row, ids, text in zip(rows, prompts, texts, strict=True):
                 row.prompt_ids, row.text = ids, text
                 row.seconds = row.seconds or seconds
