@@ -68,6 +68,7 @@ FAILURE_COUNTERS = ("sync_errors", "failed_instances", "load_failures", "resume_
                     "gen_errors", "catch_up_failures", "kv_errors", "permission_denied", "tasks_failed",
                     "tasks_abandoned", "auto_resumes", "deregistered", "re_registered", "start_retries")
 STARTING = 16  # services of one process starting at once
+IDLE_S = 5.0  # seconds the coordinator's background CPU is measured over, after a run
 
 
 def config(run_dir: Path, run_id: str, models: int, instances: int, versions: int) -> dict[str, Any]:
@@ -286,6 +287,8 @@ class SizeResult:
     episodes: int = 0
     samples: int = 0
     coord_cpu_s: float = 0.0
+    coord_idle_ms_s: float = 0.0  # the coordinator's CPU per second once no task runs (its background: every instance's
+    # load reports, the registry, metrics, version polls), measured over IDLE_S after the run
     consumers_peak: int = 0
     subscriptions_peak: int = 0
     connections: int = 0
@@ -434,6 +437,9 @@ async def run_size(models: int, instances: int, args: argparse.Namespace) -> Siz
                 return await ledger.stream_messages() == 0
 
             await wait_for(quiet, 120, "the streams emptying after the run", procs)
+            idle0 = cpu_seconds(coord.popen.pid)
+            await asyncio.sleep(IDLE_S)
+            res.coord_idle_ms_s = 1000 * (cpu_seconds(coord.popen.pid) - idle0) / IDLE_S
             from shared.kernel.bus import kv_get_int
             kv = await nc.jetstream().key_value(names.kv_bucket)
 
@@ -496,6 +502,7 @@ def median(xs: list[float]) -> float:
 def table(results: list[SizeResult]) -> str:
     kinds = ["coordinator", "mq", "paramsync", "trainer", "rollouters"]
     head = ("| models x instances | per model | start s | episodes/s | samples/s | coordinator CPU ms/episode | "
+            "coordinator idle CPU ms/s | "
             "consumers | subscriptions | connections | "
             + " | ".join(f"{k} MB/svc" for k in kinds)
             + " | fan-out s (median / max) | control s (median / max) | limits | failures | ledger |")
@@ -504,7 +511,7 @@ def table(results: list[SizeResult]) -> str:
         rows.append(
             f"| {r.models} x {r.instances} | {max(1, r.instances // r.models)} | {r.start_s:.0f} | "
             f"{r.episodes / max(r.seconds, 1e-9):.1f} | {r.samples / max(r.seconds, 1e-9):.1f} | "
-            f"{r.episode_cpu_ms:.1f} | {r.consumers_peak} | {r.subscriptions_peak} | {r.connections} | "
+            f"{r.episode_cpu_ms:.1f} | {r.coord_idle_ms_s:.0f} | {r.consumers_peak} | {r.subscriptions_peak} | {r.connections} | "
             + " | ".join(f"{r.rss_mb.get(k, 0):.0f}" for k in kinds)
             + f" | {median(r.fanout_s):.2f} / {max(r.fanout_s, default=float('nan')):.2f}"
             f" | {median(r.control_s):.2f} / {max(r.control_s, default=float('nan')):.2f}"
@@ -521,7 +528,7 @@ async def main(args: argparse.Namespace) -> int:
         r = await run_size(models, instances, args)
         results.append(r)
         print(f"  {r.episodes} episodes, {r.samples} samples in {r.seconds:.1f}s (start {r.start_s:.0f}s); "
-              f"coordinator {r.episode_cpu_ms:.2f} CPU ms/episode; consumers {r.consumers_peak}, subscriptions "
+              f"coordinator {r.episode_cpu_ms:.2f} CPU ms/episode ({r.coord_idle_ms_s:.0f} ms/s once idle); consumers {r.consumers_peak}, subscriptions "
               f"{r.subscriptions_peak}; fan-out median {median(r.fanout_s):.2f}s over {len(r.fanout_s)} syncs "
               f"(control {median(r.control_s):.2f}s); limits {len(r.limits)}; failures {dict(r.failures)}; "
               f"{time.monotonic() - t0:.0f}s", flush=True)

@@ -35,10 +35,10 @@ from shared.kernel.subjects import Names
 MAX_LAUNCHES = 8  # attempts of one request, over every instance, before it is given up
 BACKOFF_MAX_S = 2.0
 REGISTRY_POLL_S = 1.0  # how often the KV registrations are read (an instance joins within this and a report)
-# ... at least: a listing reads every registration, so with many instances it is read less often (128: every 2.6 s,
-# 1024: every 20 s); an instance's load report at its join still makes it known at once, and one that stops
+# ... at least: a listing reads every registration, so with many instances it is read less often (128: every 6.4 s,
+# 1024: every 51 s); an instance's load report at its join still makes it known at once, and one that stops
 # reporting is expired after its missed heartbeats whether or not it deregistered
-REGISTRY_POLL_PER_INSTANCE_S = 0.02
+REGISTRY_POLL_PER_INSTANCE_S = 0.05
 
 
 class NoInstance(LookupError):

@@ -304,7 +304,7 @@ class CoordinatorService(Service):
         waited = paced = False
         while not self.stopping:
             if self.admission.budget_spent:
-                await asyncio.sleep(VERSION_POLL_S)  # idle until SIGTERM (or a restored budget)
+                await self._admission_wait()  # idle until SIGTERM (or a restored budget)
                 continue
             if self._admit():
                 self._wake_admission()  # room for one more? the next waiting loop looks
@@ -315,11 +315,15 @@ class CoordinatorService(Service):
             if not paced and self.pacer is not None and self.pacer.held_by:
                 paced = True
                 self.counters["tasks_paced"] += 1  # held back by the staleness capacity of some model
-            fut = asyncio.get_running_loop().create_future()
-            self._admission_waiters.append(fut)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(fut, ADMISSION_TICK_S)
+            await self._admission_wait()
         return False
+
+    async def _admission_wait(self) -> None:
+        """Until :meth:`_wake_admission` picks this loop, or ``ADMISSION_TICK_S``."""
+        fut = asyncio.get_running_loop().create_future()
+        self._admission_waiters.append(fut)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(fut, ADMISSION_TICK_S)
 
     def _admit(self) -> bool:
         """Start one task now? Counts it in the open batch when it may (no await between check and count)."""

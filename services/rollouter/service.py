@@ -74,6 +74,7 @@ STOP_TIMEOUT_S = 20.0
 # sync's SyncDone wakes the check at once, so this is the backstop for one that was missed (a reconnect, a partition),
 # spread by a random tenth so that a thousand instances do not read at the same instant.
 CATCH_UP_S = 5.0
+SYNC_OVER_AFTER = 3  # probe intervals a pause lasts before the watchdog asks whether its sync is over
 JOIN_POLL_S = 0.2  # how often an instance out of routing tries to join
 
 
@@ -189,6 +190,7 @@ class RollouterService(Service):
         self._pause_until = 0.0  # monotonic time the current pause's lease runs out (pause and load renew it)
         self._pause_lease = 0.0
         self._probed = 0.0  # when the paused instance last probed its controller
+        self._paused_at = 0.0  # when the current pause began
         self._paused_by: int | None = None  # the version of the sync whose pause holds this instance
         self.spawn(self._pause_watchdog(), "pause-watchdog")
         self.spawn(self._load_loop(), "load-reports")
@@ -432,6 +434,8 @@ class RollouterService(Service):
             self._controller = ctl.peer
         if verb == "pause":
             self._paused_by = ctl.version if ctl.peer else None
+            if not self.batcher.paused:  # the watchdog's first probe one interval on: a short pause costs none
+                self._probed = self._paused_at = time.monotonic()
             self.batcher.pause()
             drained = await self.batcher.drain(ctl.timeout_s)
             await self._control_reply(msg, ok=drained, error=None if drained else
@@ -494,8 +498,11 @@ class RollouterService(Service):
                 misses = 0 if state is Liveness.ALIVE else misses + 1
                 if state is Liveness.DEAD or misses >= peers.misses:
                     why = f"the paramsync that paused it is {state.value}"
-                elif state is Liveness.ALIVE and self._paused_by is not None:
-                    # Two readings in a row, a probe interval apart: a KV read may lag the sync by a moment.
+                elif (state is Liveness.ALIVE and self._paused_by is not None
+                      and time.monotonic() - self._paused_at >= SYNC_OVER_AFTER * peers.probe_interval_s):
+                    # Two readings in a row, a probe interval apart: a KV read may lag the sync by a moment. Not in
+                    # a pause's first intervals: every paused instance reading the sync's listing (which names every
+                    # instance) each second is work that grows with the square of the instances.
                     over = over + 1 if await self._pausing_sync_over(self._paused_by) else 0
                     if over >= 2:
                         why = f"the sync of v{self._paused_by} that paused it is over and sent it no resume"
