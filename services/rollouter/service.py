@@ -606,9 +606,9 @@ class RollouterService(Service):
         """A sync of this model ended: the catch-up check runs now, not at its next period (a sync that failed on
         this instance, or did not list it, leaves it behind). One that holds that version already reads nothing."""
         try:
-            done = decode(SyncDone, msg.data)
-        except DecodeError:
-            self._check_now.set()  # cannot tell: look
+            done = self.decode_own(SyncDone, msg.data)
+        except DecodeError as exc:
+            await self.to_dlq(msg.subject, msg.data, exc.reason)
             return
         if done.version > self.engine.version:
             self._check_now.set()

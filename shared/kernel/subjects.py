@@ -18,7 +18,7 @@ SERVICES = ("coordinator", "rollouter", "mq", "trainer", "paramsync", "actions",
 # that no service subscribes to anything else. ``status`` ignores its payload: any request gets the metrics.
 LISTENS: dict[str, tuple[str, ...]] = {
     "coordinator": ("depth", "sync_done", "rollout_load", "status"),
-    "rollouter": ("gen", "gen_direct", "rollout_control", "status"),
+    "rollouter": ("gen", "gen_direct", "rollout_control", "sync_done", "status"),
     "mq": ("traj", "status"),
     "trainer": ("ready", "weights_meta", "weights_pull", "status"),
     "paramsync": ("sync_announce", "status"),

@@ -16,7 +16,7 @@ import json
 import threading
 import time
 import urllib.request
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -382,6 +382,9 @@ CASES: list[Case] = [
          bad_load, json=True),
     Case("coordinator", "sync_done", lambda n: n.sync_done(M), lambda: encode(SyncDone(model=M, version=1, loaded=[])),
          bad_sync_done),
+    # a sync's end: a rollouter whose version is below it checks at once whether it is behind
+    Case("rollouter", "sync_done", lambda n: n.sync_done(M), lambda: encode(SyncDone(model=M, version=1, loaded=[])),
+         bad_sync_done),
     Case("rollouter", "gen", lambda n: n.gen(M), lambda: encode(gen_request()), bad_gen),
     Case("rollouter", "gen_direct", lambda n: n.gen_direct(M, "0"), lambda: encode(gen_request()), bad_gen),
     *[Case("rollouter", "rollout_control", lambda n, v=verb: n.rollout_control(M, "0", v),
@@ -491,11 +494,11 @@ def test_every_subscribed_subject_of_every_service_has_a_fuzz_case(worlds: Calla
     assert not missing, f"subscribed subjects without a fuzz case: {sorted(missing)}"
 
     # What the services really subscribe to, as the server sees it: each must be a listed, fuzzed subject.
-    known: dict[str, tuple[str, str]] = {}
+    known: dict[str, dict[str, tuple[str, str]]] = defaultdict(dict)  # subject -> service -> its case
     for c in CASES:
-        known[c.subject(names)] = (c.service, c.method)
+        known[c.subject(names)][c.service] = (c.service, c.method)
     for service, svc in world.services.items():
-        known[svc.status_subject] = (service, "status")
+        known[svc.status_subject][service] = (service, "status")
     url = f"http://127.0.0.1:{world.server.monitor_port}/connz?subs=detail&limit=1024"
     conns = json.loads(urllib.request.urlopen(url, timeout=10).read())["connections"]
     seen: set[tuple[str, str]] = set()
@@ -507,15 +510,14 @@ def test_every_subscribed_subject_of_every_service_has_a_fuzz_case(worlds: Calla
             subject = sub["subject"]
             if subject.startswith(("_INBOX.", "$SRV.")):
                 continue  # replies to its own requests, the micro API's ping/info/stats
-            assert subject in known, f"{service} subscribes to {subject}, which has no fuzz case"
-            assert known[subject][0] == service, (subject, known[subject], service)
-            seen.add(known[subject])
+            assert service in known.get(subject, {}), f"{service} subscribes to {subject}, which has no fuzz case"
+            seen.add(known[subject][service])
     for stream in [*names.streams([M]), names.critic_stream()]:
         for info in world.call(world.js.consumers_info(stream)):
             subject = info.config.filter_subject
             if subject and subject.startswith(names.prefix):
                 assert subject in known, f"consumer {info.name} of {stream} reads {subject}, which has no fuzz case"
-                seen.add(known[subject])
+                seen.update(known[subject].values())
     # Every listed subject was found live (a stale LISTENS entry would be fuzzing nothing).
     live = {(c.service, c.method) for c in CASES if transport == "ucx" or c.method not in UCX_ONLY}
     assert seen >= live, live - seen
