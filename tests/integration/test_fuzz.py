@@ -420,18 +420,20 @@ async def send(w: World, case: Case, payloads: list[bytes]) -> None:
         expected = (ready_dlq_payloads(data) if case.method == "ready" else
                     critic_dlq_payloads(data) if case.method == "critic_samples" else [data])
         want.update(digest(e) for e in expected)
-    before = Counter(w.dlq[case.service])
+    # every service listening to the subject (a core subject may have several) puts each in its own DLQ
+    listeners = sorted({c.service for c in CASES if c.subject(Names(RUN)) == subject}) if not case.stream else [
+        case.service]
+    before = {s: Counter(w.dlq[s]) for s in listeners}
     first_reason = len(w.reasons[case.service])
     for data in payloads:
         if case.stream:
             await w.js.publish(subject, data)
         else:
             await w.nc.publish(subject, data, reply=w.nc.new_inbox())
-    w.sent_bad += sum(want.values())
+    w.sent_bad += sum(want.values()) * len(listeners)
     deadline = time.monotonic() + 20
     while True:
-        got = w.dlq[case.service] - before
-        missing = want - got
+        missing = sum(((want - (w.dlq[s] - before[s])) for s in listeners), Counter())
         if not missing:
             return
         if time.monotonic() > deadline:
