@@ -322,8 +322,13 @@ class CoordinatorService(Service):
         """Until :meth:`_wake_admission` picks this loop, or ``ADMISSION_TICK_S``."""
         fut = asyncio.get_running_loop().create_future()
         self._admission_waiters.append(fut)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(fut, ADMISSION_TICK_S)
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(fut, ADMISSION_TICK_S)
+        finally:
+            if not fut.done() or fut.cancelled():  # timed out: not left behind for a wake to skip (at most 64 wait)
+                with contextlib.suppress(ValueError):
+                    self._admission_waiters.remove(fut)
 
     def _admit(self) -> bool:
         """Start one task now? Counts it in the open batch when it may (no await between check and count)."""
