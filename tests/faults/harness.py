@@ -269,7 +269,10 @@ class FaultRun:
         elif fault.action == "term":
             before = await self._terminate(fault)
         else:
-            if fault.target == "rollouter":  # hit one with requests in flight: they must run again elsewhere
+            if fault.target == "rollouter" and fault.action == "kill":
+                # hit one with requests in flight: they must run again elsewhere (held stopped while that is checked)
+                fault.instance = await self._stopped_busy_instance(fault.model)
+            elif fault.target == "rollouter":
                 fault.instance = await self._busy_instance(fault.model)  # signalled the moment it is seen busy
             key = self._key(fault)
             child = self.cluster.sup.children[key]
@@ -452,6 +455,30 @@ class FaultRun:
                     return str(i)
             await asyncio.sleep(0.05)
         raise AssertionError(f"no rollouter of {model} busy within {timeout_s:.0f}s\n" + "\n".join(self.log))
+
+    async def _stopped_busy_instance(self, model: str, timeout_s: float = 60.0) -> str:
+        """A rollouter instance of ``model`` SIGSTOPped while the coordinator has generation requests in flight on
+        it. A tiny model's batch can end between a status answer and the signal, so the instance is stopped first
+        and the coordinator asked again once the answers it sent before stopping had time to arrive; one found idle
+        is continued and the search goes on."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for i in range(self.rollouters):
+                if await self._requests_on(model, str(i)) <= 0:
+                    continue
+                child = self.cluster.sup.children[f"rollouter-{model}-{i}"]
+                child.popen.send_signal(signal.SIGSTOP)
+                await asyncio.sleep(0.3)
+                if await self._requests_on(model, str(i)) > 0:
+                    return str(i)
+                child.popen.send_signal(signal.SIGCONT)
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"no rollouter of {model} held requests within {timeout_s:.0f}s\n" + "\n".join(self.log))
+
+    async def _requests_on(self, model: str, instance: str) -> int:
+        """The generation requests the coordinator has in flight on one rollouter instance (0 when it does not say)."""
+        s = await self.ledger.status("coordinator")
+        return int(s.get("balance", {}).get("instances", {}).get(model, {}).get(instance, {}).get("requests", 0))
 
     async def _moved(self, before: dict[str, int]) -> bool:
         now = await self.ledger.trained()
