@@ -74,7 +74,7 @@ class RolloutRouter:
         self.models = models
         self.log = log
         bal = host.cfg.balance
-        self.manager = RolloutManager(heartbeat_s=bal.heartbeat_s, misses=bal.misses)
+        self.manager = RolloutManager(heartbeat_s=host.cfg.heartbeat_s, misses=bal.misses)
         self.migrations: list[dict[str, Any]] = []  # the last ones, for status
         self._last_migration = 0.0
         # instances removed as dead or silent: their KV registration may outlive them (a frozen process keeps it),

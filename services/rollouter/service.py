@@ -240,7 +240,8 @@ class RollouterService(Service):
     # --- load reports (the rollout manager's heartbeats) ------------------------------------
     async def _report_load(self, routing: bool | None = None, *, unless_unchanged: bool = False) -> None:
         """Publish the load report; ``unless_unchanged``: only if it differs from the last one or that one is
-        ``balance.keepalive_s`` old (the heartbeat of an instance whose load did not change)."""
+        the keepalive old (``balance.keepalive_s``, longer for a large fleet: the heartbeat of an instance whose load
+        did not change)."""
         assert self.model is not None
         occ = self.batcher.occupancy()
         report = LoadReport(model=self.model, instance=self.instance, queued_rows=occ["queued_rows"],
@@ -248,7 +249,7 @@ class RollouterService(Service):
                             routing=self.routing if routing is None else routing, version=self.engine.version)
         now = time.monotonic()
         last, at = getattr(self, "_last_report", (None, 0.0))
-        if unless_unchanged and report == last and now - at < self.cfg.balance.keepalive_s:
+        if unless_unchanged and report == last and now - at < self.cfg.keepalive_s:
             self.counters["load_reports_skipped"] += 1
             return
         self._last_report = (report, now)

@@ -174,3 +174,15 @@ def test_a_models_meaningless_loss_option_is_refused_at_load_time_naming_the_key
     with pytest.raises(ConfigError) as exc:
         _model_train(tmp_path, {}, model_train)
     assert f"models.{next(iter(BASE['models']))}.{key}" in str(exc.value)
+
+
+def test_a_large_fleets_keepalive_stretches_to_keep_its_heartbeats_under_the_budget(tmp_path: Path) -> None:
+    small = load_config(_write(tmp_path, BASE))
+    assert small.rollouter_fleet == 2 and small.keepalive_s == 5.0 and small.heartbeat_s == 5.0
+    models = {m: {"rollouter": {"instances": 512}} for m in ("a", "b")}
+    big = load_config(_write(tmp_path, {**BASE, "models": models, "rollouter": {"pool": 24}}))
+    assert big.rollouter_fleet == 2 * 512 + 24
+    assert big.keepalive_s == pytest.approx(10.48)  # 1,048 heartbeats every 10.48 s: 100 a second
+    assert big.rollouter_fleet / big.keepalive_s == pytest.approx(big.balance.heartbeats_per_s)
+    tight = load_config(_write(tmp_path, {**BASE, "balance": {"report_interval_s": 8.0}}))
+    assert tight.heartbeat_s == 8.0  # never shorter than the look at the load

@@ -79,11 +79,19 @@ class BalanceSection(Section):
     report_interval_s: float = Field(default=0.5, gt=0)
     keepalive_s: float = Field(default=5.0, gt=0)
     misses: int = Field(default=4, ge=1)  # heartbeats missed in a row (misses x keepalive_s) before it is removed
+    # the most heartbeats a second the whole fleet sends the coordinator: with more instances than keepalive_s x
+    # this, every instance's keepalive stretches to instances / heartbeats_per_s (1,024 instances: 10.24 s)
+    heartbeats_per_s: float = Field(default=100.0, gt=0)
 
-    @property
-    def heartbeat_s(self) -> float:
-        """The longest an instance stays silent while alive: its unchanged load's report comes this often."""
-        return max(self.report_interval_s, self.keepalive_s)
+    def keepalive_for(self, instances: int) -> float:
+        """The keepalive of each of ``instances`` rollouter instances: ``keepalive_s``, or longer for a fleet
+        whose heartbeats would exceed ``heartbeats_per_s``."""
+        return max(self.keepalive_s, instances / self.heartbeats_per_s)
+
+    def heartbeat_for(self, instances: int) -> float:
+        """The longest an instance of a fleet of ``instances`` stays silent while alive: its unchanged load's
+        report comes this often."""
+        return max(self.report_interval_s, self.keepalive_for(instances))
 
 
 class RolloutPoolSection(Section):

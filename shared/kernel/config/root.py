@@ -117,6 +117,21 @@ class ChorusConfig(BaseSettings):
         return self.run.dir / "_cache"
 
     @property
+    def rollouter_fleet(self) -> int:
+        """Rollouter instances the run starts: every model's, and the rollout pool's."""
+        return sum(m.rollouter.instances for m in self.models.values()) + self.rollouter.pool
+
+    @property
+    def keepalive_s(self) -> float:
+        """How often an instance whose load did not change reports it (``balance.keepalive_for`` the fleet)."""
+        return self.balance.keepalive_for(self.rollouter_fleet)
+
+    @property
+    def heartbeat_s(self) -> float:
+        """The longest a live rollouter instance stays silent (``balance.heartbeat_for`` the fleet)."""
+        return self.balance.heartbeat_for(self.rollouter_fleet)
+
+    @property
     def mq_capacity(self) -> int:
         if self.mq.capacity is not None:
             return self.mq.capacity
