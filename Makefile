@@ -10,7 +10,7 @@ CONFIG ?= configs/demo.yaml
 # The extras `make venv` installs. Not ucx: ucxx-cu12 pulls CUDA libraries (make venv-ucx adds it).
 VENV_EXTRAS := dev
 
-.PHONY: test-browser compose-test test-hosts chaos venv venv-ucx venv-vllm test-vllm venv-deepspeed test-deepspeed demo test test-long test-cuda gpu-wheels gpu-check test-ucx e2e faults soak lint plot bench docs check-cpu-deps clean
+.PHONY: test-browser compose-test compose-build test-hosts chaos venv venv-ucx venv-vllm test-vllm venv-deepspeed test-deepspeed demo test test-long test-cuda gpu-wheels gpu-check test-ucx e2e faults soak lint plot bench docs check-cpu-deps clean
 
 venv: $(STAMP)
 
@@ -105,6 +105,10 @@ test-browser: venv
 # run whose trainer, rollouter and NATS containers are killed, and `docker compose down -v` (docs/deploy.md).
 compose-test: venv
 	$(BIN)/pytest -q -p no:cacheprovider -m compose -s --durations 4 tests/compose
+
+# Only the engine, the base images and the image of compose-test (kept by the engine: compose-test reuses them).
+compose-build: venv
+	$(BIN)/pytest -q -p no:cacheprovider -m compose -s tests/compose/test_compose.py::test_the_image_builds_and_imports_every_dependency
 
 # The tiny run on five hosts (network namespaces on one bridge, as root) deployed as deploy/systemd/ deploys it, with
 # the three-node TLS cluster of deploy/nats/; then, each on its own run, the partitions of a real network: a NATS

@@ -98,8 +98,10 @@ class RolloutManager:
                draining: bool = False) -> None:
         """A load report (a heartbeat): rows queued and running on the instance, tokens in flight."""
         inst = self.register(model, name, now)
+        key = (inst.load, inst.tokens, inst.draining)
         inst.reported_rows, inst.tokens, inst.draining = max(0, queued) + max(0, running), max(0, tokens), draining
-        self._touch(inst)
+        if (inst.load, inst.tokens, inst.draining) != key:  # an unchanged heartbeat leaves its heap entry valid
+            self._touch(inst)
 
     def suspend(self, model: str, name: str) -> None:
         """No new requests to this instance until it reports that it routes again (it answered no-responders, or
@@ -144,8 +146,12 @@ class RolloutManager:
     # --- intra-agent balancing --------------------------------------------------------------------------------------
     def _touch(self, inst: Instance) -> None:
         inst.stamp += 1
-        heapq.heappush(self._heaps.setdefault(inst.model, []),
-                       (inst.load, inst.tokens, inst.last_sent, inst.name, inst.stamp))
+        heap = self._heaps.setdefault(inst.model, [])
+        heapq.heappush(heap, (inst.load, inst.tokens, inst.last_sent, inst.name, inst.stamp))
+        live = self.instances.get(inst.model, {})
+        if len(heap) > 4 * len(live) + 64:  # stale entries pile up where nothing is picked: keep only the live ones
+            heap[:] = [(i.load, i.tokens, i.last_sent, i.name, i.stamp) for i in live.values()]
+            heapq.heapify(heap)
 
     def pick(self, model: str, exclude: Iterable[str] = ()) -> str | None:
         """The live instance of ``model`` with the lowest load (the heap's top), not one of ``exclude``; None when

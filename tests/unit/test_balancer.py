@@ -159,3 +159,21 @@ def test_migration_invariants(queues, counts, delta):
         assert 1 <= len(mig.instances) <= queues[mig.target] - queues[mig.donor]
         assert len(insts[mig.donor]) - len(mig.instances) >= 1
         assert set(mig.instances) <= set(insts[mig.donor])
+
+
+def test_heartbeats_of_an_unchanged_load_and_a_model_nothing_picks_keep_the_heap_small():
+    m = RolloutManager(heartbeat_s=1.0, misses=3)
+    for i in range(8):
+        m.report("a", f"i{i}", 0.0, queued=0, running=0)
+    for k in range(10_000):
+        m.report("a", f"i{k % 8}", float(k), queued=0, running=0)  # unchanged: no new heap entry
+    assert len(m._heaps["a"]) <= 8 + 8
+    for k in range(10_000):
+        m.report("a", f"i{k % 8}", float(k), queued=k % 3, running=0)  # changing, and never picked
+    assert len(m._heaps["a"]) <= 4 * 8 + 64 + 1
+    for i in range(8):  # what the compaction kept still orders the instances
+        m.report("a", f"i{i}", 1e5, queued=9 - i, running=0)
+    assert m.pick("a") == "i7"
+    m.report("a", "i7", 1e5, queued=20, running=0)
+    loads = {n: i.load for n, i in m.instances["a"].items()}
+    assert loads[m.pick("a")] == min(loads.values())
