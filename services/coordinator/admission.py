@@ -39,10 +39,14 @@ class Admission:
     def blocked_by(self, now: float) -> list[str]:
         """Models whose latest fresh report says the backlog is at or over capacity (a report is not fresh when it
         is older than ``stale_after_s``, or taken before the trainer made the version now served)."""
-        return [
-            m for m, (depth, capacity, at, trained) in sorted(self.depth.items())
-            if depth >= capacity and now - at <= self.stale_after_s and trained >= self.served.get(m, 0)
-        ]
+        return [m for m in sorted(self.depth) if self._blocked(m, now)]
+
+    def _blocked(self, model: str, now: float) -> bool:
+        report = self.depth.get(model)
+        if report is None:
+            return False
+        depth, capacity, at, trained = report
+        return depth >= capacity and now - at <= self.stale_after_s and trained >= self.served.get(model, 0)
 
     def active(self) -> list[str]:
         """Models still training (below ``max_versions``)."""
@@ -54,8 +58,18 @@ class Admission:
         A model alone at capacity does not stop the others: in async mode its mq sheds its oldest samples
         (counted), so a slow trainer never holds back a fast one and memory stays bounded.
         """
-        active = self.active()
-        return bool(active) and set(active) <= set(self.blocked_by(now))
+        any_active = False
+        for m in self.models:  # the first active model not blocked answers (this runs at every admission check)
+            if self.trained.get(m, 0) >= self.max_versions:
+                continue
+            if not self._blocked(m, now):
+                return False
+            any_active = True
+        return any_active
+
+    def done(self) -> set[str]:
+        """Models that reached ``max_versions``: they need no more samples."""
+        return {m for m, v in self.trained.items() if v >= self.max_versions}
 
     @property
     def budget_spent(self) -> bool:
@@ -227,18 +241,31 @@ class Pacer:
                 and now - b.moved_at > max(self.stale_after_s, 4 * b.step_s))
 
     def may_start(self, served: Mapping[str, int], done: Collection[str] = (), now: float = 0.0) -> bool:
-        """Whether a task may start now; ``done``: models that need no more samples (budget spent)."""
+        """Whether a task may start now; ``done``: models that need no more samples (budget spent).
+
+        The models held back are those that do not fit among the live ones (not :meth:`stuck`), or among all
+        when every one is stuck: a stuck model would hold back the others for good, and if every model is stuck,
+        generating is useless. Whether a model is stuck is only asked of the ones that do not fit, and of the
+        others only when all of those are stuck (this runs at every admission check, for every model)."""
         pacing = [m for m in self.models if m not in done and self.expected[m] > 0]
-        # A stuck model would hold back the others for good; if every model is stuck, generating is useless.
-        live = [m for m in pacing if not self.stuck(m, now)]
-        self.held_by = [m for m in (live or pacing) if not self.fits(m, served)]
-        return not self.held_by
+        tight = [m for m in pacing if not self.fits(m, served)]
+        if not tight:
+            self.held_by = []
+            return True
+        held = [m for m in tight if not self.stuck(m, now)]
+        if not held and not any(not self.stuck(m, now) for m in pacing if m not in tight):
+            held = tight  # every model is stuck
+        self.held_by = held
+        return not held
 
     def fits(self, model: str, served: Mapping[str, int]) -> bool:
-        """Room for one more task's samples, or too few samples on the way for the trainer to step without it."""
-        b = self.book[model]
-        return (self.capacity(model, served) >= self.expected[model]
-                or b.depth + self.running(model) < self.global_batch)
+        """Room for one more task's samples (``capacity >= expected``), or too few samples on the way for the
+        trainer to step without it (``pending + running < B``)."""
+        b, expected, batch = self.book[model], self.expected[model], self.global_batch
+        on_the_way = b.depth + self.in_flight * expected + (sum(b.unreported.values()) if b.unreported else 0)
+        v = served.get(model, 0)
+        trained = v if b.trained is None else b.trained
+        return (self.max_staleness + v + 1 - trained) * batch - on_the_way >= expected or on_the_way < batch
 
     def snapshot(self, served: Mapping[str, int], now: float) -> dict[str, object]:
         """Gauges for the coordinator's metrics."""

@@ -91,6 +91,7 @@ class CoordinatorService(Service):
         # A custom workflow is imported here, so a bad file or name stops the service before it connects.
         self.workflow = workflow_of(cfg)
         self._admission_waiters: deque[asyncio.Future[None]] = deque()  # task loops waiting to start a task
+        self._refused = ""  # what refused the last admission check: saturated, pacer, gate ("" : it admitted)
 
     async def setup(self) -> None:
         cfg = self.cfg
@@ -280,9 +281,17 @@ class CoordinatorService(Service):
         now = time.monotonic()
         self.admission.on_depth(report.model, report.depth, report.capacity, now, report.trained_version)
         self.admission.on_trained(report.model, report.trained_version)
-        if self.pacer is not None:
-            self.pacer.on_report(report.model, report.depth, report.trained_version, now)
-        self._wake_admission()
+        if self.pacer is None:
+            self._wake_admission()
+            return
+        # In async mode, after the pacer refused a task, only a report of a model it held back, or of one it took
+        # for stuck, can let the next one start (the others fitted, and a report cannot make them hold it back
+        # less): with 32 models, the other 31 reports of each round wake no check.
+        wakes = (self._refused != "pacer" or report.model in self.pacer.held_by
+                 or self.pacer.stuck(report.model, now))
+        self.pacer.on_report(report.model, report.depth, report.trained_version, now)
+        if wakes:
+            self._wake_admission()
 
     def stop(self, code: int = 0) -> None:
         super().stop(code)
@@ -334,16 +343,21 @@ class CoordinatorService(Service):
         """Start one task now? Counts it in the open batch when it may (no await between check and count)."""
         now = time.monotonic()
         if self.admission.saturated(now):
+            self._refused = "saturated"
             return False
         done = self._budget_spent_models()
         if self.pacer is not None:
             if not self.pacer.may_start(self.served, done, now):
+                self._refused = "pacer"
                 return False
+            self._refused = ""
             self.pacer.started()
             return True
         assert self.gate is not None
         if not self.gate.may_start(self.served, done):
+            self._refused = "gate"
             return False
+        self._refused = ""
         self._ticket = self.gate.started()  # taken by the task loop that asked, with no await in between
         return True
 
@@ -512,7 +526,7 @@ class CoordinatorService(Service):
 
     def _budget_spent_models(self) -> set[str]:
         """Models that reached train.max_versions: they need no more samples."""
-        return {m for m in self.models if self.admission.trained.get(m, 0) >= self.cfg.train.max_versions}
+        return self.admission.done()
 
     def _admitted_done(self, ep: Episode | None, ticket: dict[str, float] | None) -> None:
         """A task ended, with its episode's samples to publish (None: nothing will be published): the admission

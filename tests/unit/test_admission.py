@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from services.coordinator.admission import Admission, BatchGate, Pacer, expected_samples
 
 
@@ -328,3 +331,47 @@ def test_the_batch_is_not_complete_while_a_task_runs_or_a_model_lacks_samples():
     assert not gate.complete()
     gate.finished({"a": 4, "b": 2}, ticket)
     assert not gate.complete() and gate.complete(done={"b"})
+
+
+def _held_by_as_defined(p: Pacer, served: dict, done: set, now: float) -> list[str]:
+    """The class docstring's rule, computed the long way: every model's capacity and whether it is stuck."""
+    pacing = [m for m in p.models if m not in done and p.expected[m] > 0]
+    live = [m for m in pacing if not p.stuck(m, now)]
+    return [m for m in (live or pacing)
+            if not (p.capacity(m, served) >= p.expected[m]
+                    or p.book[m].depth + p.running(m) < p.global_batch)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 6), st.floats(0, 30), st.integers(0, 9),
+                          st.integers(0, 6), st.booleans()), min_size=1, max_size=6),
+       st.integers(0, 5), st.integers(0, 3), st.floats(0, 40))
+def test_may_start_holds_back_exactly_the_models_the_rule_names(books, in_flight, staleness, now):
+    models = [f"m{i}" for i in range(len(books))]
+    p = Pacer(models, global_batch=8, max_staleness=staleness,
+              expected={m: float(b[4]) for m, b in zip(models, books, strict=True)}, stale_after_s=10.0)
+    p.in_flight = in_flight
+    served, done = {}, set()
+    for m, (depth, trained, at, ahead, _, spent) in zip(models, books, strict=True):
+        p.on_report(m, depth, trained, at)
+        served[m] = trained + ahead % 3
+        if ahead == 9:
+            p.finished({m: 5})
+            p.in_flight += 1
+        if spent and ahead > 6:
+            done.add(m)
+    want = _held_by_as_defined(p, served, done, now)
+    assert p.may_start(served, done, now) == (not want)
+    assert p.held_by == want
+
+
+def test_saturated_and_done_read_the_reports_as_blocked_by_does():
+    a = Admission(["a", "b", "c"], max_versions=5, stale_after_s=5.0)
+    assert not a.saturated(0.0) and a.done() == set()
+    a.on_depth("a", 10, 10, 0.0)
+    a.on_depth("b", 10, 10, 0.0)
+    assert not a.saturated(1.0)  # c has no report: not blocked
+    a.on_depth("c", 3, 10, 0.0)
+    a.on_trained("c", 5)
+    assert a.done() == {"c"} and a.saturated(1.0) and a.blocked_by(1.0) == ["a", "b"]
+    assert not a.saturated(6.0)  # the reports went stale
