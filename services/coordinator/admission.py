@@ -48,10 +48,6 @@ class Admission:
         depth, capacity, at, trained = report
         return depth >= capacity and now - at <= self.stale_after_s and trained >= self.served.get(model, 0)
 
-    def active(self) -> list[str]:
-        """Models still training (below ``max_versions``)."""
-        return [m for m in self.models if self.trained.get(m, 0) < self.max_versions]
-
     def saturated(self, now: float) -> bool:
         """Every model still training is at capacity: no new sample could be used, so no task starts.
 
@@ -222,12 +218,14 @@ class Pacer:
         """Samples of ``model`` generated or being generated that no depth report counts yet."""
         return self.in_flight * self.expected[model] + sum(self.book[model].unreported.values())
 
-    def capacity(self, model: str, served: Mapping[str, int]) -> float:
-        """``(s + v + 1) * B - (trained * B + pending + running)`` for ``model`` (see the class)."""
+    def capacity(self, model: str, served: Mapping[str, int], running: float | None = None) -> float:
+        """``(s + v + 1) * B - (trained * B + pending + running)`` for ``model`` (see the class); ``running``:
+        :meth:`running`, where the caller has it already."""
         b, v = self.book[model], served.get(model, 0)
         trained = v if b.trained is None else b.trained  # before any report: nothing pending, weights current
         s, batch = self.max_staleness, self.global_batch
-        return (s + v + 1) * batch - (trained * batch + b.depth + self.running(model))
+        running = self.running(model) if running is None else running
+        return (s + v + 1) * batch - (trained * batch + b.depth + running)
 
     def stuck(self, model: str, now: float) -> bool:
         """The model stopped consuming: its mq's report is stale, or its trainer has a batch waiting and has made
@@ -261,11 +259,9 @@ class Pacer:
     def fits(self, model: str, served: Mapping[str, int]) -> bool:
         """Room for one more task's samples (``capacity >= expected``), or too few samples on the way for the
         trainer to step without it (``pending + running < B``)."""
-        b, expected, batch = self.book[model], self.expected[model], self.global_batch
-        on_the_way = b.depth + self.in_flight * expected + (sum(b.unreported.values()) if b.unreported else 0)
-        v = served.get(model, 0)
-        trained = v if b.trained is None else b.trained
-        return (self.max_staleness + v + 1 - trained) * batch - on_the_way >= expected or on_the_way < batch
+        running = self.running(model)
+        return (self.capacity(model, served, running) >= self.expected[model]
+                or self.book[model].depth + running < self.global_batch)
 
     def snapshot(self, served: Mapping[str, int], now: float) -> dict[str, object]:
         """Gauges for the coordinator's metrics."""

@@ -144,6 +144,7 @@ class RollouterService(Service):
 
         assert self.model is not None
         rc = self.cfg.models[self.model].rollouter
+        self._keepalive_s = self.cfg.keepalive_s  # the fleet's, from the config: read at every look at the load
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engine-{self.model}")
         loop = asyncio.get_running_loop()
         torch.set_num_threads(rc.threads)
@@ -249,7 +250,7 @@ class RollouterService(Service):
                             routing=self.routing if routing is None else routing, version=self.engine.version)
         now = time.monotonic()
         last, at = getattr(self, "_last_report", (None, 0.0))
-        if unless_unchanged and report == last and now - at < self.cfg.keepalive_s:
+        if unless_unchanged and report == last and now - at < self._keepalive_s:
             self.counters["load_reports_skipped"] += 1
             return
         self._last_report = (report, now)
