@@ -164,7 +164,7 @@ soak: venv
 lint: venv
 	$(BIN)/ruff check shared services tests loadtests
 	$(BIN)/lint-imports --no-cache
-	$(BIN)/mypy services/trainer services/rollouter
+	$(BIN)/mypy shared services
 
 bench: venv
 	$(BIN)/python loadtests/bus_throughput.py

@@ -272,7 +272,9 @@ def _first_choices(rest: Sequence[Action], depth: int) -> list[int | None]:
     """The unit counts the first waiting action tries in an estimate: its ``depth`` smallest feasible counts of its
     key resource when it is scalable, else its minimum (None)."""
     first = rest[0]
-    choices: list[int | None] = list(first.cost[first.key].smallest(max(depth, 1))) if first.scalable() else []
+    key = first.key
+    choices: list[int | None] = (list(first.cost[key].smallest(max(depth, 1)))
+                                 if first.scalable() and key is not None else [])  # scalable() has a key
     return choices or [None]
 
 

@@ -24,6 +24,14 @@ import resource
 import select
 import sys
 
+TYPE_CHECKING = False  # typing is not imported at a sandbox's start: only mypy reads its cast
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+    from typing import cast
+else:
+    def cast(_type, value):  # noqa: ANN001, ANN202
+        return value
+
 RESULT_FD = 3  # where the runner writes its JSON lines (never inherited by programs the code starts)
 ERROR_LIMIT = 500  # characters of one error message
 LINE_LIMIT = 1 << 20  # bytes of one encoded report; a bigger value is an error
@@ -49,22 +57,24 @@ def encode(value: object, depth: int = 0) -> object:
     kind = type(value)
     if depth > MAX_DEPTH:
         raise Unserialisable(f"value nested deeper than {MAX_DEPTH} levels")
-    if kind is int and value.bit_length() > MAX_INT_BITS:
+    if kind is int and cast(int, value).bit_length() > MAX_INT_BITS:
         raise Unserialisable("int too large to report (over 4000 digits)")
     if value is None or kind is bool or kind is int or kind is str:
         return value
     if kind is float:
         return {"f": repr(value)}
+    # casts, not isinstance: isinstance may read a hostile ``__class__``; the exact type was checked
     if kind is bytes:
-        return {"b": value.hex()}
+        return {"b": cast(bytes, value).hex()}
     if kind is list:
-        return [encode(v, depth + 1) for v in value]
+        return [encode(v, depth + 1) for v in cast(list, value)]
     if kind is dict:
-        return {"d": [[encode(k, depth + 1), encode(v, depth + 1)] for k, v in value.items()]}
-    tag = {tuple: "t", set: "s", frozenset: "z"}.get(kind)
+        return {"d": [[encode(k, depth + 1), encode(v, depth + 1)] for k, v in cast(dict, value).items()]}
+    tags: dict[type, str] = {tuple: "t", set: "s", frozenset: "z"}
+    tag = tags.get(kind)
     if tag is None:
         raise Unserialisable(f"unserialisable value of type {kind.__name__}")
-    return {tag: [encode(v, depth + 1) for v in value]}
+    return {tag: [encode(v, depth + 1) for v in cast(Iterable[object], value)]}
 
 
 def decode(data: object, depth: int = 0) -> object:
@@ -75,9 +85,9 @@ def decode(data: object, depth: int = 0) -> object:
     if data is None or kind is bool or kind is int or kind is str:
         return data
     if kind is list:
-        return [decode(v, depth + 1) for v in data]
-    if kind is dict and len(data) == 1:
-        ((tag, v),) = data.items()
+        return [decode(v, depth + 1) for v in cast(list, data)]
+    if kind is dict and len(cast(dict, data)) == 1:
+        ((tag, v),) = cast(dict, data).items()
         if type(v) is str and tag in ("f", "b"):
             return float(v) if tag == "f" else bytes.fromhex(v)
         if type(v) is list and tag == "d":

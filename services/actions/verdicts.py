@@ -12,7 +12,7 @@ import math
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from services.actions.sandbox_init import ERROR_LIMIT, decode
 
@@ -91,7 +91,7 @@ class _Split(ast.NodeTransformer):
         targets = {n.id for g in node.generators for n in ast.walk(g.target) if isinstance(n, ast.Name)}
         inner = _Split(self.shadowed | targets,
                        lambda j: ast.Subscript(ast.Name(ITEM, ast.Load()), ast.Constant(j), ast.Load()), True)
-        elt = inner.visit(node.elt)
+        elt = cast(ast.expr, inner.visit(node.elt))
         probe = self._probe(ast.ListComp(ast.Tuple(inner.probes, ast.Load()), node.generators))
         return type(node)(elt, [ast.comprehension(ast.Name(ITEM, ast.Store()), probe, [], 0)])
 
@@ -140,7 +140,7 @@ def plan_tests(tests: str) -> Plan:
             continue
         first = len(plan.steps)
         split = _Split(shadowed, _probe_call(first))
-        test = split.visit(stmt.test)
+        test = cast(ast.expr, split.visit(stmt.test))
         probes = split.probes or [ast.Constant(None)]  # a test that reads nothing waits for the sandbox too
         plan.steps += [("probe", ast.unparse(p)) for p in probes]
         plan.wheres += [where] * len(probes)
@@ -222,13 +222,14 @@ def result(report: Report, stdout: bytes, timed_out: bool, exit_text: str,
             timeout_s: float) -> dict[str, Any]:
     plan, steps = report.plan, report.steps
     if report.code_seen and report.code_error is None:  # "": no verdict, the sandbox did not get there
-        verdicts = [_judge(c, steps) if all(k in steps for k in c.probes) else "" for c in plan.checks]
+        verdicts: list[str | None] = [_judge(c, steps) if all(k in steps for k in c.probes) else ""
+                                      for c in plan.checks]
     else:
         verdicts = [""] * len(plan.checks)
-    errors = [report.code_error] if report.code_error else []
+    errors: list[str] = [report.code_error] if report.code_error else []
     for kind, i in plan.order:  # in the order of the statements, as they ran
-        if kind == "test" and verdicts[i]:
-            errors.append(verdicts[i])
+        if kind == "test" and (verdict := verdicts[i]):
+            errors.append(verdict)
         elif kind == "setup" and isinstance(steps.get(i), _Failed):
             errors.append(f"{steps[i]} in `{plan.wheres[i]}`"[:ERROR_LIMIT])
     if timed_out:

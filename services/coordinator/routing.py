@@ -16,7 +16,7 @@ import random
 import time
 import uuid
 from collections import Counter, deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
 
 import nats.errors
@@ -53,10 +53,14 @@ class Host(Protocol):
     names: Names
     cfg: ChorusConfig
     counters: Counter[str]
-    stopping: bool
-    link_settle_s: float
 
-    def spawn(self, coro: Awaitable[None], name: str) -> asyncio.Task[None]: ...
+    @property
+    def stopping(self) -> bool: ...
+
+    @property
+    def link_settle_s(self) -> float: ...
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]: ...
 
     def link_dropped_since(self, t0: float) -> bool: ...
 
@@ -263,13 +267,13 @@ class RolloutRouter:
             self.manager.suspend(mig.donor, name)
             ctl = RolloutControl(verb="migrate", version=0, target=mig.target, timeout_s=60.0)
             subject = self.host.names.rollout_control(mig.donor, name, "migrate")
+            reply: RolloutControlReply | None = None
             try:
-                reply = decode(RolloutControlReply, (await self.host.nc.request(subject, encode(ctl), timeout=5.0)).data)
+                got = decode(RolloutControlReply, (await self.host.nc.request(subject, encode(ctl), timeout=5.0)).data)
             except (nats.errors.Error, TimeoutError, DecodeError) as exc:
-                reply = None
                 error = f"{type(exc).__name__}: {exc}"
             else:
-                error = reply.error or ""
+                reply, error = got, got.error or ""
             if reply is None or not reply.ok:
                 self.host.counters["migrate_errors"] += 1
                 self.log.warning("migration refused or unanswered", instance=name, target=mig.target, error=error)

@@ -25,7 +25,7 @@ import uuid
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import nats.errors
 import torch
@@ -89,7 +89,7 @@ class CriticService(Service):
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="critic", initializer=_init_worker,
                                         initargs=(mc.threads,))
         self.learner, self.pad_id = await self._torch(build_learner, self.cfg)
-        self.vocab = int(self.learner.critic.base.get_input_embeddings().num_embeddings)
+        self.vocab = int(cast(Any, self.learner.critic.base).get_input_embeddings().num_embeddings)
         # features of recent observations (see _features_of): a few batches of the run's samples in flight
         self._cache: OrderedDict[bytes, torch.Tensor] = OrderedDict()
         self.cache_rows = 4 * max(self.batch, self.cfg.mq_capacity)
@@ -337,7 +337,7 @@ class CriticService(Service):
             return False
         data = json.dumps({"version": version, "object": name}).encode()
 
-        async def swap() -> None:
+        async def swap() -> bool:
             try:
                 if self.revision:
                     self.revision = await self.kv.update(self.names.critic_key(), data, last=self.revision)
@@ -348,8 +348,9 @@ class CriticService(Service):
                 if entry.value != data:
                     raise Fenced(f"another critic committed since revision {self.revision}") from None
                 self.revision = int(entry.revision or 0)
+            return True
 
-        if await self.retried(lambda: swap(), "moving the critic's commit point") is None and self.stopping:
+        if await self.retried(swap, "moving the critic's commit point") is None:  # None: stopped before it moved
             return False
         self.objects.append(name)
         return True

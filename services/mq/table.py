@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 from pydantic import ValidationError
 
@@ -136,7 +136,7 @@ class Blobs(dict[str, Any]):
         return Sample.model_construct(
             **self[row.head.key], sample_id=row.sample_id, version=row.policy_version,
             prompt_ids=self.value(row.values["prompt"]), response_ids=ids, behavior_logprobs=logprobs,
-            reward=row.values["reward"], advantage=row.values["advantage"],
+            reward=cast(float, row.values["reward"]), advantage=cast("float | None", row.values["advantage"]),
         )
 
     def free(self, row: Row[H]) -> None:

@@ -96,7 +96,7 @@ class Commits:
         state_name = self.names.state_object(self.model, version, self.epoch)
         await asyncio.gather(self.weights.publish(header, buf, weights_name, replace=False, prune=False),
                              self._put(state_name, state))
-        ann = WeightsAnnounce(model=self.model, version=version, transport=transport,  # type: ignore[arg-type]
+        ann = WeightsAnnounce(model=self.model, version=version, transport=transport,
                               object_name=weights_name, checksum=header.checksum, nbytes=header.nbytes,
                               state_object=state_name)
         await self._swap(ann)

@@ -404,7 +404,7 @@ class TrainerService(Service):
             kept = [i for i in self.book.sample_ids if i not in gone]
             summary["sample_ids"], summary["samples"] = kept, len(kept)
         record = StepRecord(model=self.model, version=result.version, dropped_stale=self.counters["dropped_stale"],
-                            step_seconds=round(step_s, 6), loss=result.loss, **summary)  # type: ignore[arg-type]
+                            step_seconds=round(step_s, 6), loss=result.loss, **summary)
         line = record.model_dump(mode="json", exclude={"schema_"})
         fields = {**line, "grad_norm": result.grad_norm, "steps_skipped": self.counters["steps_skipped_nonfinite"],
                   "adapter_samples": dict(sorted(self.book.adapters.items())), **result.stats}

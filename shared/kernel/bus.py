@@ -90,11 +90,11 @@ async def connect(url: str, name: str, *, timeout_s: float = 5.0, nats_cfg: Nats
     connecting = asyncio.ensure_future(nc.connect(
         servers=[u.strip() for u in url.split(",") if u.strip()],
         name=name,
-        connect_timeout=timeout_s,
+        connect_timeout=timeout_s,  # type: ignore[arg-type]  # seconds: nats-py takes floats
         max_reconnect_attempts=-1,
-        reconnect_time_wait=0.5,
+        reconnect_time_wait=0.5,  # type: ignore[arg-type]  # seconds: nats-py takes floats
         allow_reconnect=True,
-        ping_interval=nats_cfg.ping_interval_s if nats_cfg is not None else NatsSection().ping_interval_s,
+        ping_interval=nats_cfg.ping_interval_s if nats_cfg is not None else NatsSection().ping_interval_s,  # type: ignore[arg-type]  # seconds: nats-py takes floats
         max_outstanding_pings=2,
         error_cb=on_error,
         disconnected_cb=on_disconnect,
@@ -398,7 +398,7 @@ async def read_object(js: JetStreamContext, bucket: str, name: str, *, timeout_s
         raise ValueError(f"object {name!r} in {bucket!r} is a link; links are not followed")
     size = int(info.size or 0)
     buf = into if into is not None and len(into) >= size else np.empty(size, dtype=np.uint8)
-    view = memoryview(buf).cast("B")
+    view = (buf.data if isinstance(buf, np.ndarray) else memoryview(buf)).cast("B")
     if size == 0:
         return view[:0]
     if await _read_chunks_direct(js._nc, stream, f"$O.{bucket}.C.{info.nuid}", int(info.chunks or 0),  # noqa: SLF001

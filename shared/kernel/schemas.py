@@ -50,7 +50,7 @@ class Array(BaseModel):
     @classmethod
     def of(cls, values: Any, dtype: str = "int32") -> Array:
         arr = np.ascontiguousarray(np.asarray(values, dtype=dtype))
-        return cls(dtype=dtype, shape=list(arr.shape), data=arr.tobytes())  # type: ignore[arg-type]
+        return cls(dtype=dtype, shape=list(arr.shape), data=arr.tobytes())
 
     def numpy(self) -> np.ndarray:
         return np.frombuffer(self.data, dtype=self.dtype).reshape(self.shape)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shared.launcher.views import section
 from shared.results.promexport import read_request
 
 STATIC = Path(__file__).with_name("dashboard_static")
@@ -57,7 +58,7 @@ def _num(v: Any) -> float | None:
 
 def compact_gauge(m: Mapping[str, Any]) -> dict[str, Any] | None:
     """The fields of one service's metrics message the page draws, by service kind; None for anything else."""
-    service, counters = m.get("service"), m.get("counters") if isinstance(m.get("counters"), Mapping) else {}
+    service, counters = m.get("service"), section(m, "counters")
     out: dict[str, Any] = {}
     if service == "mq":
         out = {"depth": m.get("depth"), "held": m.get("held"), "trained_version": m.get("trained_version")}
@@ -146,7 +147,7 @@ class DashState:
         rows.append(row)
         if len(rows) > 1 and rows[-2][0] > version:
             rows.sort(key=lambda r: r[0])
-        bisect.insort(self.step_times.setdefault(model, []), (float(row[1]), version))
+        bisect.insort(self.step_times.setdefault(model, []), (float(row[1] or 0.0), version))
         return [{"t": "step", "model": model, "row": row}]
 
     def on_eval(self, rec: Mapping[str, Any]) -> list[dict[str, Any]]:

@@ -118,7 +118,7 @@ async def probe(url: str, service: str, *, model: str | None, instance: str, run
 
         sub = await nc.subscribe(inbox, cb=on_reply)
         await nc.publish(Names.srv_ping(service), b"", reply=inbox)
-        await nc.flush(timeout=max(0.1, deadline - time.monotonic()))
+        await nc.flush(timeout=max(0.1, deadline - time.monotonic()))  # type: ignore[arg-type]  # seconds, float
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(found.wait(), max(0.05, deadline - time.monotonic()))
         await sub.unsubscribe()

@@ -62,7 +62,8 @@ class Batcher:
         await asyncio.sleep(0.005)  # let the other episodes of this moment queue their rows too
         while self._queue.get(model):
             waiting = self._queue[model]
-            take, rows = [], 0
+            take: list[Any] = []
+            rows = 0
             while waiting and (not take or rows + len(waiting[0][0]) <= self.max_rows):
                 req = waiting.pop(0)
                 take.append(req)

@@ -9,6 +9,7 @@ source, the workflow and reward-function loaders), so what passes here is what t
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 from shared.kernel.config import ChorusConfig
 
@@ -31,7 +32,7 @@ def model_problems(cfg: ChorusConfig) -> list[str]:
     for name, m in sorted(cfg.models.items()):
         key = f"models.{name}.path"
         if m.source == "hf":
-            problem = _problem(key, lambda n=name: model_dir(cfg, n))
+            problem = _problem(key, partial(model_dir, cfg, name))
             if problem is None and m.path is not None:
                 weights = [p for p in m.path.iterdir() if p.suffix in (".safetensors", ".bin")]
                 if not weights:
@@ -78,11 +79,14 @@ def loss_problems(cfg: ChorusConfig) -> list[str]:
     """Every model's ``train.loss`` is a registered policy loss (shared/rlmath/losses.py)."""
     from shared.rlmath.losses import loss_name, policy_loss
 
+    def registered(name: str) -> object:
+        return policy_loss(loss_name(name, cfg.marft.variant))
+
     out: list[str] = []
     for model in sorted(cfg.models):
         loss = cfg.objective(model).loss
         key = "train.loss" if loss == cfg.train.loss else f"models.{model}.train.loss"
-        problem = _problem(key, lambda n=loss: policy_loss(loss_name(n, cfg.marft.variant)))
+        problem = _problem(key, partial(registered, loss))
         if problem and problem not in out:
             out.append(problem)
     return out

@@ -13,6 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from shared.kernel import events
+from shared.launcher.views import section
 
 # Drop reasons (DropEvent.reason) as a user reads them, after the number of samples.
 DROP_WORDS = {
@@ -284,7 +285,7 @@ class MonitorState:
 def service_state(m: dict[str, Any]) -> str:
     """A few words on what one instance is doing, by service kind (no raw dicts)."""
     service = m.get("service")
-    c = m.get("counters") if isinstance(m.get("counters"), dict) else {}
+    c = section(m, "counters")
     if service == "trainer":
         return f"v{_fmt(m.get('version'))}, {_fmt(c.get('samples', 0))} samples, commit {_fmt(m.get('commit_s'), 2)} s"
     if service == "rollouter":

@@ -17,7 +17,7 @@ import typing
 from collections.abc import Callable, Iterator
 from functools import cache
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import Any, Literal, cast, get_args, get_origin
 
 import annotated_types as at
 from pydantic import BaseModel
@@ -136,7 +136,7 @@ def constraints_text(f: FieldInfo) -> str:
     for m in f.metadata:
         for cls, op in ops.items():
             if isinstance(m, cls):
-                value = next(iter(vars(m).values())) if hasattr(m, "__dict__") else getattr(m, m.__slots__[0])
+                value = next(iter(vars(m).values())) if hasattr(m, "__dict__") else getattr(m, cast(Any, m).__slots__[0])
                 out.append(f"{op} {value:g}" if isinstance(value, float) else f"{op} {value}")
     return ", ".join(out)
 
@@ -235,7 +235,7 @@ def subjects_md() -> str:
         fn: Any = member.__func__ if isinstance(member, staticmethod) else member
         if isinstance(member, property):
             pattern = member.fget(names)  # type: ignore[misc]
-            doc = member.fget.__doc__ or ""  # type: ignore[union-attr]
+            doc = member.fget.__doc__ or ""
         elif callable(fn):
             params = [p for p in inspect.signature(fn).parameters if p != "self"]
             args = [PLACEHOLDERS.get(p, f"<{p}>") for p in params]

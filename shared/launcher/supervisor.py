@@ -479,6 +479,7 @@ async def run_up(config_path: Path | None, *, timeout_s: float | None = None, co
             own_nats = auth.as_kind(cfg.nats, "supervisor")
             console.print(f"a password per service kind; the read-only observer's is in {run_dir}/nats/observer.password"
                           " (user observer)", highlight=False)
+    assert url, "no broker: neither nats.url nor an embedded server"  # embedded is `not cfg.nats.url`
     cfg.nats.url = url  # so that `chorus status --config <run_dir>/config.yaml` finds the live run
     config_file = run_dir / "config.yaml"  # written once the run id is known to be new (or resumed)
 

@@ -13,6 +13,12 @@ from rich.table import Table
 from shared.results.plotting import eval_table_rows, load_evals, summarize
 
 
+def section(m: Mapping[str, Any], key: str) -> Mapping[str, Any]:
+    """``m[key]`` when it is a mapping, else an empty one: a metrics message is read, never trusted."""
+    v = m.get(key)
+    return v if isinstance(v, Mapping) else {}
+
+
 def report_tables(metrics: Path) -> list[Table]:
     """The tables that close a run and ``chorus plot``: reward per model, then the held-out scores if it has any."""
     evals = load_evals(metrics)
@@ -97,7 +103,7 @@ def pool_table(metrics: Mapping[str, Mapping[str, Any]]) -> Table | None:
                 "ctrl s", "data s", "sets/gets", "host MB", "disk MB"):
         t.add_column(col, justify="left" if col in ("pool", "holder", "call", "waiting", "cores") else "right")
     for instance, p in sorted(pools.items()):
-        swap = p.get("swap") if isinstance(p.get("swap"), Mapping) else {}
+        swap = section(p, "swap")
         tail = (", ".join(p.get("waiting") or []) or "-", f"{p.get('utilisation', 0):.2f}",
                 f"{swap.get('control_s', 0):.2f}", f"{swap.get('data_s', 0):.2f}",
                 f"{_n(swap.get('sets'))}/{_n(swap.get('gets'))}", f"{p.get('resident_bytes', 0) / 2**20:.1f}",
@@ -123,15 +129,15 @@ def act_table(metrics: Mapping[str, Mapping[str, Any]]) -> Table | None:
         return f"{v:.3f}" if isinstance(v, int | float) and not isinstance(v, bool) else "-"
 
     for instance, m in sorted(metrics.items()):
-        act = m.get("act") if isinstance(m.get("act"), Mapping) else {}
+        act = section(m, "act")
         head = (instance, str(m.get("scheduler", "-")), _n(m.get("queue_len")),
                 f"{_n(m.get('busy_cores'))}/{_n(m.get('cores'))}")
-        resources = act.get("resources") if isinstance(act.get("resources"), Mapping) else {}
+        resources = section(act, "resources")
         for r, v in sorted(resources.items()):
             if isinstance(v, Mapping):
                 t.add_row(*head, f"resource {r}", _n(v.get("n")), f(v.get("mean")), "", "", "", "", "")
                 head = ("", "", "", "")
-        kinds = act.get("kinds") if isinstance(act.get("kinds"), Mapping) else {}
+        kinds = section(act, "kinds")
         for k, v in sorted(kinds.items()):
             if isinstance(v, Mapping):
                 t.add_row(*head, k, _n(v.get("n")), *(f(v.get(x)) for x in ("mean", "p50", "p99", "queue", "exec",
@@ -152,10 +158,10 @@ def balance_table(metrics: Mapping[str, Mapping[str, Any]]) -> Table | None:
         bal = m.get("balance")
         if not isinstance(bal, Mapping):
             continue
-        queues = bal.get("queues") if isinstance(bal.get("queues"), Mapping) else {}
-        instances = bal.get("instances") if isinstance(bal.get("instances"), Mapping) else {}
+        queues = section(bal, "queues")
+        instances = section(bal, "instances")
         for model in sorted(set(queues) | set(instances)):
-            insts = instances.get(model) if isinstance(instances.get(model), Mapping) else {}
+            insts = section(instances, model)
             head = (coordinator, model, _n(queues.get(model)))
             for name, v in sorted(insts.items()):
                 if isinstance(v, Mapping):
@@ -164,7 +170,7 @@ def balance_table(metrics: Mapping[str, Mapping[str, Any]]) -> Table | None:
                     head = ("", "", "")
             if head[0]:
                 rows.append((*head, "none", "", "", ""))
-        counters = bal.get("counters") if isinstance(bal.get("counters"), Mapping) else {}
+        counters = section(bal, "counters")
         text = f"coordinator {coordinator} ({bal.get('dispatch', '?')}): " + ", ".join(
             f"{k} {v}" for k, v in sorted(counters.items()))
         migrations = bal.get("migrations")
@@ -200,7 +206,7 @@ def agent_table(metrics: Mapping[str, Mapping[str, Any]]) -> Table | None:
     for col in ("model", "agent", "held", "processing", "dispatchable", *columns):
         t.add_column(col, justify="left" if col in ("model", "agent") else "right")
     for model, agent, c in rows:
-        filled = c.get("filled") if isinstance(c.get("filled"), Mapping) else {}
+        filled = section(c, "filled")
         t.add_row(model, agent, *(_n(c.get(k)) for k in ("held", "processing", "dispatchable")),
                   *(_n(filled.get(k)) for k in columns))
     t.caption = (f"{', '.join(columns)}: rows with that column filled" if columns else "") if rows else \

@@ -10,6 +10,7 @@ head is committed (the base is the model it was built from).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -23,7 +24,7 @@ class CentralCritic(nn.Module):
     def __init__(self, base: nn.Module, head_sizes: Sequence[int] = HEAD_SIZES) -> None:
         super().__init__()
         self.base = base.eval().requires_grad_(False)
-        hidden = int(base.config.hidden_size)
+        hidden = int(cast(Any, base).config.hidden_size)  # a transformers model's config
         layers: list[nn.Module] = []
         width = hidden
         for size in head_sizes:

@@ -166,7 +166,7 @@ def export(run_dir: Path, model: str, out: Path, version: int | str | None = Non
 
 
 def _export(cfg: ChorusConfig, run_dir: Path, model: str, out: Path, version: int, path: Path | None) -> Exported:
-    net = load_checkpoint(cfg, model, path)
+    net: Any = load_checkpoint(cfg, model, path)  # a transformers or peft model: save_pretrained, peft_config
     result = Exported(out=out, model=model, version=version, checkpoint=path)
     out.mkdir(parents=True, exist_ok=True)
     if cfg.models[model].lora is None:
@@ -176,7 +176,8 @@ def _export(cfg: ChorusConfig, run_dir: Path, model: str, out: Path, version: in
         from shared.models.loading import load_base
 
         base_dir = out / "base"
-        load_base(cfg, model).save_pretrained(str(base_dir))  # the frozen base, as every process builds it
+        base: Any = load_base(cfg, model)  # the frozen base, as every process builds it
+        base.save_pretrained(str(base_dir))
         result.tokenizer = _save_tokenizer(cfg, model, base_dir)
         for adapter in cfg.adapters_of(model):
             net.peft_config[adapter].base_model_name_or_path = str(base_dir.resolve())

@@ -246,7 +246,7 @@ def load_model(cfg: ChorusConfig, name: str, device: torch.device | str | None =
     from peft import LoraConfig, PeftModel, get_peft_model
 
     adapters = cfg.adapters_of(name)
-    peft_cfg = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+    peft_cfg = LoraConfig(r=lora.r, lora_alpha=lora.alpha,  # type: ignore[arg-type]  # peft scales by any number lora_dropout=lora.dropout,
                           target_modules=list(lora.target_modules), bias="none", task_type="CAUSAL_LM")
     net: PeftModel | None = None
     for adapter in adapters:
@@ -268,7 +268,7 @@ def is_adapter_tensor(name: str) -> bool:
 
 def shipped_tensors(net: torch.nn.Module, lora: bool) -> dict[str, torch.Tensor]:
     """What a weight update of this network carries, by name: all parameters, or only the adapters'."""
-    params = dict(net.named_parameters())
+    params: dict[str, torch.Tensor] = dict(net.named_parameters())
     return {k: v for k, v in params.items() if is_adapter_tensor(k)} if lora else params
 
 

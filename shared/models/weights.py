@@ -37,6 +37,11 @@ def alloc(nbytes: int) -> Buffer:
     return np.empty(nbytes, dtype=np.uint8)
 
 
+def byte_view(buf: bytes | bytearray | memoryview | Buffer) -> memoryview:
+    """``buf`` as a flat memoryview of bytes, without a copy (an array's own ``data`` view)."""
+    return (buf.data if isinstance(buf, np.ndarray) else memoryview(buf)).cast("B")
+
+
 @dataclass(frozen=True)
 class TensorSlot:
     name: str
@@ -95,7 +100,7 @@ def bucket_spans(nbytes: int, bucket_bytes: int) -> list[tuple[int, int]]:
 
 
 def bucket_checksum(buf: bytes | bytearray | memoryview | Buffer) -> str:
-    return xxhash.xxh3_128_hexdigest(buf)
+    return xxhash.xxh3_128_hexdigest(byte_view(buf))
 
 
 def combine(bucket_checksums: list[str]) -> str:
@@ -105,13 +110,13 @@ def combine(bucket_checksums: list[str]) -> str:
 
 def bucket_checksums(buf: bytes | bytearray | memoryview | Buffer, nbytes: int, bucket_bytes: int) -> list[str]:
     """The digest of every bucket of the first ``nbytes`` of a flat buffer."""
-    view = memoryview(buf).cast("B")
+    view = byte_view(buf)
     return [bucket_checksum(view[o:o + n]) for o, n in bucket_spans(nbytes, bucket_bytes)]
 
 
 def checksum(buf: bytes | bytearray | memoryview | Buffer, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> str:
     """The checksum of a flat buffer cut into buckets of ``bucket_bytes``."""
-    return combine(bucket_checksums(buf, len(memoryview(buf).cast("B")), bucket_bytes))
+    return combine(bucket_checksums(buf, len(byte_view(buf)), bucket_bytes))
 
 
 def verify_bucket(header: WeightsHeader, index: int, data: bytes | bytearray | memoryview | Buffer) -> None:
@@ -182,11 +187,11 @@ def head(header: WeightsHeader) -> bytes:
 
 def pack(header: WeightsHeader, buf: bytes | bytearray | memoryview | Buffer) -> bytes:
     """Header + buffer as one object (for the NATS object store transport)."""
-    return head(header) + bytes(memoryview(buf)[: header.nbytes])
+    return head(header) + bytes(byte_view(buf)[: header.nbytes])
 
 
 def unpack(blob: bytes | bytearray | memoryview | Buffer) -> tuple[WeightsHeader, memoryview]:
-    view = memoryview(blob)
+    view = byte_view(blob)
     if len(view) < _LEN.size:
         raise ValueError(f"weights object of {len(view)} bytes has no header")
     (n,) = _LEN.unpack(view[: _LEN.size])
@@ -211,7 +216,7 @@ def load_into(named: dict[str, torch.Tensor], header: WeightsHeader, body: bytes
     """
     import torch
 
-    view = memoryview(body).cast("B")
+    view = byte_view(body)
     if len(view) < header.nbytes:
         raise ValueError(f"weights body is {len(view)} bytes, header says {header.nbytes}")
     view = view[: header.nbytes]

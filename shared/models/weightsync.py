@@ -42,7 +42,7 @@ from shared.kernel.config import ChorusConfig
 from shared.kernel.peers import PeerWatch, until_gone
 from shared.kernel.schemas import WeightsMetaRequest, WeightsPull, WeightsReply
 from shared.kernel.subjects import Names
-from shared.models.weights import Buffer, WeightsHeader, alloc, head, unpack
+from shared.models.weights import Buffer, WeightsHeader, alloc, byte_view, head, unpack
 
 log = structlog.get_logger("weightsync")
 
@@ -151,7 +151,7 @@ class NatsSource(WeightSource):
         to replace); ``prune``: delete what is beyond the last ``KEEP`` now (else at :meth:`prune`, off the
         caller's critical path)."""
         name = name or self.names.weights_object(self.model, header.version)
-        parts = [head(header), memoryview(buf)[: header.nbytes]]  # the object is [header][buffer]; no join
+        parts: list[bytes | bytearray | memoryview] = [head(header), byte_view(buf)[: header.nbytes]]  # no join
         for attempt in range(1, PUT_ATTEMPTS + 1):
             try:
                 await write_object(self.js, self.names.obj_bucket, name, parts, chunk_bytes=self.chunk_bytes,
@@ -224,7 +224,7 @@ class UcxSource(WeightSource):
         """Decode a meta or pull request and find the version it names; a bad or unanswerable one is
         counted and answered here."""
         try:
-            req = decode(schema, msg.data)
+            req: Any = decode(schema, msg.data)
         except DecodeError as exc:
             self.count("bad_weight_requests")
             if self.reject is not None:
@@ -262,7 +262,7 @@ class UcxSource(WeightSource):
         ep = None
         try:
             ep = await self._endpoint(req.address)
-            view = memoryview(held.buf)
+            view = byte_view(held.buf)
             sends = [ep.send(view[o:o + n], tag=req.tag + i, force_tag=True)
                      for i, (o, n) in enumerate(held.header.buckets)]
             await asyncio.wait_for(asyncio.gather(*sends), self.send_timeout_s)
@@ -381,7 +381,7 @@ class UcxSink(WeightSink):
         if header.model != self.model or header.version != version:
             raise ValueError(f"asked for {self.model} v{version}, the trainer sent the header of "
                              f"{header.model} v{header.version}")
-        view = memoryview(self.staging(header.nbytes))
+        view = byte_view(self.staging(header.nbytes))
         buckets = header.buckets
         if len(buckets) >= 2**20:
             raise ValueError(f"{len(buckets)} buckets: raise paramsync.bucket_mb")

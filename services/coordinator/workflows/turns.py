@@ -116,7 +116,7 @@ def debate_order(agents: Sequence[str], rounds: int) -> list[Step]:
 
 def chain_order(agents: Sequence[str], rounds: int) -> list[Step]:
     """Each agent refines the answer of the one before it; ``rounds`` passes over the chain."""
-    steps = []
+    steps: list[Step] = []
     for r in range(rounds):
         for i, a in enumerate(agents):
             first = r == 0 and i == 0

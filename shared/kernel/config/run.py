@@ -122,10 +122,13 @@ class MlflowSection(Section):
 TRACKING_PACKAGES = {"wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow")}  # backend: (module, extra)
 
 
+Backend = Literal["tensorboard", "wandb", "mlflow"]
+
+
 class LoggingSection(Section):
     # Where each metrics.jsonl record also goes (docs/results.md): TensorBoard event files under
     # runs/<id>/tensorboard/<model>/, Weights & Biases, MLflow. [] for none.
-    backends: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(default_factory=lambda: ["tensorboard"])
+    backends: list[Backend] = Field(default_factory=lambda: list[Backend](["tensorboard"]))
     wandb: WandbSection = Field(default_factory=WandbSection)
     mlflow: MlflowSection = Field(default_factory=MlflowSection)
     # One rollout of every Nth task (and of every held-out evaluation task) to runs/<id>/samples.jsonl: the

@@ -116,7 +116,7 @@ class TaskConfig(Section):
     # tiny byte models); question: "What is 3 + 4?", answered by the response's final answer (chat models).
     phrasing: Literal["compact", "question"] = "compact"
     max_operand: int = Field(default=4, ge=1)  # arithmetic operands in 0..max_operand
-    ops: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+"])
+    ops: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: list[Literal["+", "-", "*"]](["+"]))
     modulo: int | None = 10  # answers reduced mod this (a single digit by default)
     max_value: int = Field(default=20, ge=2)  # largest number in word and code problems
     path: Path | None = None  # jsonl and verl datasets
@@ -221,7 +221,8 @@ def with_workflow_agents(data: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(wf, dict) or wf.get("agents", []) != []:
         return data
     fields = WorkflowConfig.model_fields
-    fill = _implied_agents(*(wf.get(k, fields[k].default) for k in ("name", "solver", "verifier")), agents)
+    name, solver, verifier = (wf.get(k, fields[k].default) for k in ("name", "solver", "verifier"))
+    fill = _implied_agents(name, solver, verifier, agents)
     return data if fill is None else {**data, "workflow": {**wf, "agents": fill}}
 
 
