@@ -86,11 +86,15 @@ async def connect(url: str, name: str, *, timeout_s: float = 5.0, nats_cfg: Nats
         log.info("nats reconnected", client=name)
 
     nc = NATS()
-    # nats-py retries the first connect as often as later reconnects (forever here): the deadline is ours.
+    servers = [u.strip() for u in url.split(",") if u.strip()]
+    # nats-py retries the first connect as often as later reconnects (forever here): the deadline is ours. Each try
+    # of one server gets its share of it: a server whose packets are dropped (a partition, a dead host) would hold
+    # a try for its whole timeout, and the servers after it would never be tried.
+    per_try_s = timeout_s / max(1, len(servers))
     connecting = asyncio.ensure_future(nc.connect(
-        servers=[u.strip() for u in url.split(",") if u.strip()],
+        servers=servers,
         name=name,
-        connect_timeout=timeout_s,  # type: ignore[arg-type]  # seconds: nats-py takes floats
+        connect_timeout=per_try_s,  # type: ignore[arg-type]  # seconds: nats-py takes floats
         max_reconnect_attempts=-1,
         reconnect_time_wait=0.5,  # type: ignore[arg-type]  # seconds: nats-py takes floats
         allow_reconnect=True,

@@ -131,3 +131,21 @@ async def test_a_read_goes_by_direct_gets_without_the_jetstream_api_and_falls_ba
         assert await api_requests() - before > 1
     finally:
         await nc.close()
+
+
+async def test_a_server_that_never_answers_does_not_use_up_the_connect_budget_of_the_others(nats_url: str) -> None:
+    """A URL naming a server whose host drops packets (here: one that accepts the connection and never speaks) and a
+    live one: each connect reaches the live one within the budget, whichever order the client tries them in."""
+    from shared.kernel.bus import connect
+
+    silent = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+    port = silent.sockets[0].getsockname()[1]
+    try:
+        for _ in range(4):  # the client shuffles the servers: the silent one comes first about every other time
+            nc = await connect(f"nats://127.0.0.1:{port},{nats_url}", "two-servers", timeout_s=20.0)
+            try:
+                assert nc.is_connected and str(nc.connected_url.port) != str(port)
+            finally:
+                await nc.close()
+    finally:
+        silent.close()
