@@ -120,18 +120,35 @@ def test_the_dashboard_shows_a_live_run_and_then_the_finished_one_from_its_run_d
         assert re.search(r"advantage -?\d", js(driver, "return document.getElementById('episodes').innerText")), \
             "no turn shows its advantage"
         shot = screenshot(driver, "dashboard-live.png")
-        # a point of the reward curve links to the episodes of its version
-        version = js(driver, """const s = charts.reward.series[0]; const p = s.points[Math.max(0, s.points.length - 6)];
+        # a point of the reward curve links to the episodes of its version: one of the versions that have a sampled
+        # episode of the curve's model (one task in logging.samples_every is sampled: not every version has one)
+        version = js(driver, """const s = charts.reward.series[0];
+            const sampled = new Set(S.episodes.flatMap(e => e.turns.filter(t => t.model === s.model).map(t => t.version)));
+            const have = s.points.filter(p => sampled.has(p[0]));
+            if (!have.length) return null;
+            const p = have[Math.max(0, have.length - 6)];
             const r = charts.reward.canvas.getBoundingClientRect();
             charts.reward.canvas.dispatchEvent(new MouseEvent('click', {clientX: r.left + charts.reward.X(p[0]),
                 clientY: r.top + charts.reward.Y(p[1]), bubbles: true}));
             return p[0];""")
+        assert version is not None, "no version of the reward curve has a sampled episode"
         assert js(driver, "return filter.version") == version
         assert js(driver, "return document.getElementById('f-version').value") == str(version)
         shown = wait_js(driver, f"""const e = [...document.querySelectorAll('.episode')].map(e => e.innerText);
             return e.length && e.every(t => t.includes('version {version}\\n')) ? e : null""",
                         f"the episodes of version {version} alone")
         assert shown
+        # a version with no sampled episode (past the run's end) says so and offers the nearest that have one
+        js(driver, "const s = document.getElementById('f-version'); s.value = '100000'; s.dispatchEvent(new Event('input'));")
+        said = wait_js(driver, "const e = document.querySelector('#episodes .empty'); return e && e.innerText",
+                       "the page saying version 100000 has no sampled episode")
+        assert "no sampled episode of version 100000" in said and "nearest versions that have one" in said, said
+        nearest = js(driver, "return [...document.querySelectorAll('#episodes a.nearest')].map(a => +a.dataset.version)")
+        assert len(nearest) == 1 and nearest[0] < 100000, nearest  # the newest version sampled: none above it
+        js(driver, "document.querySelector('#episodes a.nearest').click()")
+        wait_js(driver, f"""const e = [...document.querySelectorAll('.episode')].map(e => e.innerText);
+            return e.length && e.every(t => t.includes('version {nearest[0]}\n')) ? e : null""",
+                f"the episodes of version {nearest[0]}, the nearest offered")
         # filter by agent and by reward
         js(driver, "const s = document.getElementById('f-version'); s.value = ''; s.dispatchEvent(new Event('input'));"
                    "const a = document.getElementById('f-agent'); a.value = 'verifier'; a.dispatchEvent(new Event('change'));")

@@ -245,13 +245,13 @@ function setVersionAtTime(t) {  // a point of a time axis: the version trained n
   if (best) setVersion(best.v);
 }
 
-function keep(ep) {
+function keep(ep, anyVersion = false) {
   if (filter.kind === "train" && ep.eval) return false;
   if (filter.kind === "eval" && !ep.eval) return false;
   let turns = ep.turns;
   if (filter.agent) turns = turns.filter((t) => t.agent === filter.agent);
   if (!turns.length) return false;
-  if (filter.version !== null && !turns.some((t) => t.version === filter.version)) return false;
+  if (!anyVersion && filter.version !== null && !turns.some((t) => t.version === filter.version)) return false;
   const r = (t) => t.reward;
   if (filter.reward === "pos" && !turns.some((t) => r(t) > 0)) return false;
   if (filter.reward === "zero" && !turns.some((t) => r(t) === 0)) return false;
@@ -267,11 +267,34 @@ function text(tag, cls, content) {
   return el;
 }
 
+// A version with no sampled episode (one task in logging.samples_every is sampled, and the page keeps the latest
+// MAX_EPISODES): said so, with the nearest versions below and above that have one under the other filters.
+function noEpisodeOfVersion(v) {
+  const versions = new Set();
+  for (const ep of S.episodes) if (keep(ep, true)) for (const t of ep.turns)
+    if ((!filter.agent || t.agent === filter.agent) && typeof t.version === "number") versions.add(t.version);
+  const below = Math.max(...[...versions].filter((x) => x < v)), above = Math.min(...[...versions].filter((x) => x > v));
+  const div = text("div", "empty", `no sampled episode of version ${v} (one task in logging.samples_every is sampled; ` +
+    `the page keeps the latest ${MAX_EPISODES})`);
+  const near = [below, above].filter(Number.isFinite);
+  if (!near.length) return div;
+  div.appendChild(document.createTextNode("; nearest versions that have one: "));
+  near.forEach((x, i) => {
+    const a = text("a", "nearest", `version ${x}`);
+    a.href = "#trajectories"; a.dataset.version = String(x);
+    a.onclick = (e) => { e.preventDefault(); setVersion(x); };
+    if (i) div.appendChild(document.createTextNode(", "));
+    div.appendChild(a);
+  });
+  return div;
+}
+
 function renderEpisodes() {
   const box = $("episodes");
   box.textContent = "";
   const kept = S.episodes.filter(keep);
   $("ep-count").textContent = `(${kept.length} of the latest ${S.episodes.length} sampled episodes match; newest first)`;
+  if (!kept.length && filter.version !== null) { box.appendChild(noEpisodeOfVersion(filter.version)); return; }
   if (!kept.length) { box.appendChild(text("div", "empty", "no episode matches (episodes are sampled every logging.samples_every tasks)")); return; }
   for (const ep of kept.slice(-SHOWN_EPISODES).reverse()) {
     const div = document.createElement("div");
