@@ -22,6 +22,7 @@ import nats.errors
 import yaml
 
 from shared.launcher.natsserver import NatsCluster, NatsServer
+from shared.launcher.supervisor import STOP_GRACE_S
 from tests.conftest import ROOT
 from tests.e2e.cluster import Cluster
 from tests.faults.ledger import CriticReport, Ledger, ModelReport, violations
@@ -47,9 +48,9 @@ BUSY: dict[str, Callable[[dict[str, Any]], bool]] = {
     "actions": lambda s: s.get("in_flight", 0) > 0,
     "committing": lambda s: s.get("committing") is not None,  # a trainer between its step and its commit point
 }
-# The shortest stop grace of the deployments: `chorus up` (supervisor.STOP_GRACE_S); compose, systemd and Kubernetes
-# give 45 s.
-TERM_GRACE_S = 20.0
+# The shortest stop grace of the deployments: `chorus up`'s (compose, systemd and Kubernetes give 45 s). A process
+# SIGTERMed by the harness that has not exited by then is SIGKILLed, as `chorus up` would: its exit code says so.
+TERM_GRACE_S = STOP_GRACE_S
 LAGGING = "(lagging)"  # a Fault's model: whichever is furthest from the end, so the fault lands mid-run
 
 
@@ -152,7 +153,8 @@ class Broker:
 @dataclass
 class Fault:
     """One injected fault: ``target`` is a service kind or ``nats``, ``action`` ``kill``, ``stop`` or ``term``
-    (SIGTERM in the middle of the target's work, see :data:`BUSY`: it must exit 0 within :data:`TERM_GRACE_S`)."""
+    (SIGTERM in the middle of the target's work, see :data:`BUSY`: it must exit 0, not be SIGKILLed at the end of
+    :data:`TERM_GRACE_S` as a supervisor would)."""
 
     target: str
     action: str
@@ -196,6 +198,7 @@ class Outcome:
     unexpected_exits: list[str]
     seconds: float
     paused: list[str] = field(default_factory=list)
+    held: list[int] = field(default_factory=list)  # the max_versions the harness moved the run's end to, in turn
 
 
 class FaultRun:
@@ -213,6 +216,12 @@ class FaultRun:
         self.pool_status: dict[str, Any] = {}  # its metrics snapshot once the run finished
         self.critic_status: dict[str, Any] = {}
         self.max_versions = max_versions
+        self.planned = max_versions  # the run's first length; each hold of its end adds as much again
+        # A model this close to the end while a fault is still to land: the end is held (:meth:`_hold_end`). Room for
+        # the versions trained between a look and the fault's landing, and for its recovery after.
+        self.hold_margin = max(8, max_versions // 4)
+        self.held: list[int] = []
+        self._hold_looked = 0.0
         self.rollouters = rollouters  # instances per model; a fault on the rollouter hits one with work in flight
         self.coordinator_status: dict[str, Any] = {}  # its metrics snapshot once the run finished
         self.rng = random.Random(seed)
@@ -296,22 +305,22 @@ class FaultRun:
                 child.popen.send_signal(signal.SIGCONT)
         fault.ended_at = time.time()
         # The next fault waits until every model still training committed a version past this one's.
-        await self._until(lambda: self._moved(before), 180, f"training going on after {fault.name}")
+        await self._until(lambda: self._moved(before), 300, f"training going on after {fault.name}", hold=True)
 
-    async def _terminate(self, fault: Fault, timeout_s: float = 60.0) -> dict[str, int]:
+    async def _terminate(self, fault: Fault) -> dict[str, int]:
         """SIGTERM the target at a random moment while it is busy (:data:`BUSY`), time its exit, start it again."""
         await asyncio.sleep(self.rng.uniform(0.0, 1.0))
         key = self._key(fault)
         status_model = fault.model if fault.per_model else None
-        deadline = time.monotonic() + timeout_s
-        while True:
+        while True:  # waited for as long as the run may take: a slow machine's moment comes later, not never
             s = await self.ledger.status(fault.target, status_model, fault.instance)
             if s and BUSY[fault.target](s):
                 fault.busy = ", ".join(f"{k}={s.get(k)}" for k in ("syncing", "accumulated", "held", "in_flight")
                                        if s.get(k) not in (None, 0))
                 break
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{key} never seen busy within {timeout_s:.0f}s\n" + "\n".join(self.log))
+            if time.monotonic() > self.deadline:
+                raise AssertionError(f"{key} never seen busy within the run's timeout\n" + "\n".join(self.log))
+            await self._hold_look()
             await asyncio.sleep(0.005)
         child = self.cluster.sup.children[key]
         self.intended.add(key)
@@ -319,13 +328,7 @@ class FaultRun:
         child.popen.send_signal(signal.SIGTERM)
         before = await self.ledger.trained()
         fault.landed_at = dict(before)
-        try:
-            code = await asyncio.wait_for(asyncio.to_thread(child.popen.wait), TERM_GRACE_S + 40)
-        except TimeoutError:
-            child.popen.send_signal(signal.SIGUSR1)  # its stacks, into its log
-            await asyncio.sleep(1.0)
-            child.popen.kill()
-            code = await asyncio.to_thread(child.popen.wait)
+        code = await self._exit_within_grace(child)
         fault.stop_s, fault.exit_code = round(time.monotonic() - t0, 2), code
         self.log.append(f"{time.strftime('%H:%M:%S')} {fault.name} ({fault.busy}) at {before}: exit {code} after "
                         f"{fault.stop_s}s")
@@ -333,16 +336,29 @@ class FaultRun:
         self.intended.discard(key)
         return before
 
-    async def _cut(self, fault: Fault, timeout_s: float = 60.0) -> dict[str, int]:
+    @staticmethod
+    async def _exit_within_grace(child: Any, stacks: int = signal.SIGUSR1) -> int:
+        """The exit code of a process SIGTERMed just now; one still running after :data:`TERM_GRACE_S` is SIGKILLed
+        as a supervisor would (after ``stacks``: its threads' or its asyncio tasks' stacks, into its log)."""
+        try:
+            return await asyncio.wait_for(asyncio.to_thread(child.popen.wait), TERM_GRACE_S)
+        except TimeoutError:
+            child.popen.send_signal(stacks)
+            await asyncio.sleep(1.0)
+            child.popen.kill()
+            return await asyncio.to_thread(child.popen.wait)
+
+    async def _cut(self, fault: Fault) -> dict[str, int]:
         """Cut ``fault.host`` off from the other hosts for ``fault.down_s`` (at a ``fault.when`` moment of
         ``fault.target``'s ``fault.instance`` of ``fault.model``, when given), then heal it."""
         if fault.when:
             service = "trainer" if fault.when == "committing" else fault.when
             model = fault.model if service in PER_MODEL_KINDS else None
-            deadline = time.monotonic() + timeout_s
             while not BUSY[fault.when](status := await self.ledger.status(service, model, fault.instance)):
-                if time.monotonic() > deadline:
-                    raise AssertionError(f"{service} {fault.model}/{fault.instance} never {fault.when} in {timeout_s:.0f}s")
+                if time.monotonic() > self.deadline:
+                    raise AssertionError(f"{service} {fault.model}/{fault.instance} never {fault.when} within the "
+                                         "run's timeout\n" + "\n".join(self.log))
+                await self._hold_look()
                 await asyncio.sleep(0.002)
             fault.busy = ", ".join(f"{k}={status.get(k)}" for k in ("committing", "in_flight", "queued", "syncing")
                                    if status.get(k) not in (None, 0))
@@ -366,14 +382,14 @@ class FaultRun:
         self.log.append(f"{time.strftime('%H:%M:%S')} healed {fault.host} at {fault.healed_at}")
         return before
 
-    async def _terminate_all(self, fault: Fault, timeout_s: float = 60.0) -> dict[str, int]:
+    async def _terminate_all(self, fault: Fault) -> dict[str, int]:
         """SIGTERM every service process at once while ``fault.model``'s paramsync is inside a sync (as `chorus up`,
         compose or systemd stop a whole deployment), time the slowest exit, start them all again."""
         await asyncio.sleep(self.rng.uniform(0.0, 1.0))
-        deadline = time.monotonic() + timeout_s
         while not BUSY["paramsync"](await self.ledger.status("paramsync", fault.model, "0")):
-            if time.monotonic() > deadline:
-                raise AssertionError(f"no sync of {fault.model} seen within {timeout_s:.0f}s")
+            if time.monotonic() > self.deadline:
+                raise AssertionError(f"no sync of {fault.model} seen within the run's timeout\n" + "\n".join(self.log))
+            await self._hold_look()
             await asyncio.sleep(0.005)
         children = dict(self.cluster.sup.children)
         self.intended.update(children)
@@ -385,13 +401,7 @@ class FaultRun:
         fault.landed_at, fault.busy = dict(before), f"{fault.model} syncing"
 
         async def stopped(child: Any) -> tuple[float, int]:
-            try:
-                code = await asyncio.wait_for(asyncio.to_thread(child.popen.wait), TERM_GRACE_S + 40)
-            except TimeoutError:
-                child.popen.send_signal(signal.SIGUSR2)  # its asyncio tasks' stacks, into its log
-                await asyncio.sleep(1.0)
-                child.popen.kill()
-                code = await asyncio.to_thread(child.popen.wait)
+            code = await self._exit_within_grace(child, stacks=signal.SIGUSR2)
             return time.monotonic() - t0, code
 
         results = dict(zip(children, await asyncio.gather(*(stopped(c) for c in children.values())), strict=True))
@@ -414,15 +424,15 @@ class FaultRun:
         """SIGKILL a slot worker of the training pool while it runs a micro-batch: asked every few milliseconds which
         slot is inside one, killed at once, and tried again until the pool counts a call lost under it (a kill that
         lands between two calls proves less). Its pool restarts it and runs the call again."""
-        deadline = time.monotonic() + 60
         # a gang's rank (a DeepSpeed group in the pool): while its slot runs a micro-batch or the step (rank 0 only
         # records a micro-batch's samples; every rank computes them in the step)
         calls = ("micro_batch", "step") if fault.rank else ("micro_batch",)
-        while time.monotonic() < deadline:
+        while time.monotonic() < self.deadline:  # waited for as long as the run may take, tried until one lands
             s = (await self.ledger.status("trainer")).get("pool", {})
             busy = [x for x in s.get("slots", []) if x.get("call") in calls and x.get("pid")
                     and (not fault.rank or x.get("holder") == fault.model)]
             if not busy:
+                await self._hold_look()
                 await asyncio.sleep(0.005)
                 continue
             lost = s["swap"]["lost"]
@@ -441,28 +451,28 @@ class FaultRun:
                 if now > lost:
                     return before
                 await asyncio.sleep(0.05)
-        raise AssertionError(f"no slot worker was caught inside {' or '.join(calls)} within 60 s\n"
+        raise AssertionError(f"no slot worker was caught inside {' or '.join(calls)} within the run's timeout\n"
                              + "\n".join(self.log))
 
-    async def _busy_instance(self, model: str, timeout_s: float = 30.0) -> str:
+    async def _busy_instance(self, model: str) -> str:
         """The first rollouter instance of ``model`` seen with requests in flight or queued (asked every 50 ms in
         turn: a tiny model's batches are short, and training races on while the fault waits)."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        while time.monotonic() < self.deadline:
             for i in range(self.rollouters):
                 s = await self.ledger.status("rollouter", model, str(i))
                 if s and s.get("in_flight", 0) + s.get("queued", 0) > 0:
                     return str(i)
+            await self._hold_look()
             await asyncio.sleep(0.05)
-        raise AssertionError(f"no rollouter of {model} busy within {timeout_s:.0f}s\n" + "\n".join(self.log))
+        raise AssertionError(f"no rollouter of {model} busy within the run's timeout\n" + "\n".join(self.log))
 
-    async def _stopped_busy_instance(self, model: str, timeout_s: float = 60.0) -> str:
+    async def _stopped_busy_instance(self, model: str) -> str:
         """A rollouter instance of ``model`` SIGSTOPped while the coordinator has generation requests in flight on
         it. A tiny model's batch can end between a status answer and the signal, so the instance is stopped first
         and the coordinator asked again once the answers it sent before stopping had time to arrive; one found idle
         is continued and the search goes on."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        while time.monotonic() < self.deadline:
+            await self._hold_look()  # never while an instance is held stopped
             for i in range(self.rollouters):
                 if await self._requests_on(model, str(i)) <= 0:
                     continue
@@ -473,20 +483,54 @@ class FaultRun:
                     return str(i)
                 child.popen.send_signal(signal.SIGCONT)
             await asyncio.sleep(0.05)
-        raise AssertionError(f"no rollouter of {model} held requests within {timeout_s:.0f}s\n" + "\n".join(self.log))
+        raise AssertionError(f"no rollouter of {model} held requests within the run's timeout\n" + "\n".join(self.log))
 
     async def _requests_on(self, model: str, instance: str) -> int:
         """The generation requests the coordinator has in flight on one rollouter instance (0 when it does not say)."""
         s = await self.ledger.status("coordinator")
         return int(s.get("balance", {}).get("instances", {}).get(model, {}).get(instance, {}).get("requests", 0))
 
+    async def _hold_end(self) -> None:
+        """Hold the run's end while a fault is still to land: once a model trained to within :attr:`hold_margin`
+        versions of ``max_versions``, every service is stopped (SIGTERM, as at a node's shutdown), the config's
+        ``train.max_versions`` moved on by the run's first length and every service started again. A fault then
+        lands, and recovers, while every model still trains, however slow the machine; on a quiet one the run's
+        first length is enough and nothing is done."""
+        self._hold_looked = time.monotonic()
+        try:
+            now = await self.ledger.trained()
+        except (nats.errors.Error, TimeoutError):
+            return  # a broker node is down (a fault of its own): the next look decides
+        if max(now.values()) < self.max_versions - self.hold_margin:
+            return
+        target = max(now.values()) + self.planned
+        self.log.append(f"{time.strftime('%H:%M:%S')} the run's end held at {now}: every service stopped, "
+                        f"max_versions {self.max_versions} -> {target}, started again")
+        children = set(self.cluster.sup.children)
+        self.intended.update(children)
+        await self.cluster.stop_all()
+        cfg = yaml.safe_load(self.config.read_text())
+        cfg["train"]["max_versions"] = target
+        self.config.write_text(yaml.safe_dump(cfg))
+        self.max_versions = target
+        self.held.append(target)
+        self.cluster.start_all(self.models, rollouters=self.rollouters, critic=self.critic, pool=self.pool)
+        self.intended.difference_update(children)
+
+    async def _hold_look(self) -> None:
+        """:meth:`_hold_end`, at most every 2 s: asked by the loops that wait for a fault's moment."""
+        if time.monotonic() - self._hold_looked >= 2.0:
+            await self._hold_end()
+
     async def _moved(self, before: dict[str, int]) -> bool:
         now = await self.ledger.trained()
         return all(now[m] > before[m] or now[m] >= self.max_versions for m in self.models)
 
-    async def _until(self, cond: Callable[[], Awaitable[bool]], timeout_s: float, what: str) -> None:
+    async def _until(self, cond: Callable[[], Awaitable[bool]], timeout_s: float, what: str, *,
+                     hold: bool = False) -> None:
         """Wait for ``cond``, at most ``timeout_s`` and never past the whole run's deadline (a run that is slow at
-        every step fails within its timeout, with the services' logs, instead of summing every wait's timeout)."""
+        every step fails within its timeout, with the services' logs, instead of summing every wait's timeout).
+        ``hold``: a wait for a fault's moment or its recovery, which holds the run's end (:meth:`_hold_end`)."""
         deadline = min(time.monotonic() + timeout_s, self.deadline)
         while time.monotonic() < deadline:
             try:
@@ -494,6 +538,8 @@ class FaultRun:
                     return
             except Exception:  # a broker node is down: ask again
                 pass
+            if hold:
+                await self._hold_look()
             await asyncio.sleep(0.3)
         spent = "the run's" if deadline == self.deadline else f"{timeout_s:.0f}s"
         raise AssertionError(f"{what} within {spent} timeout\n" + "\n".join(self.log) + "\n" + await self._stacks())
@@ -520,12 +566,13 @@ class FaultRun:
                     raise ValueError(f"unknown fault target {fault.target!r}")
                 if fault.model == LAGGING:
                     await self._until(lambda v=fault.at_version: self._reached_all(v), timeout_s,
-                                      f"every model reaching v{fault.at_version} before {fault.name}")
+                                      f"every model reaching v{fault.at_version} before {fault.name}", hold=True)
                     now = await self.ledger.trained()
                     fault.model = min(self.models, key=lambda m: now[m])
                 model = fault.model if fault.per_model else self.models[0]
                 await self._until(lambda m=model, v=fault.at_version: self._reached(m, v), timeout_s,
-                                  f"{model} reaching v{fault.at_version} before {fault.name}")
+                                  f"{model} reaching v{fault.at_version} before {fault.name}", hold=True)
+                await self._hold_end()
                 await self._inject(fault)
             await self._until(lambda: self._reached_all(self.max_versions), timeout_s, "the run finishing")
             # Samples of tasks still in flight are dropped as finished; then the streams run empty.
@@ -550,12 +597,13 @@ class FaultRun:
         problems += self.critic_report.problems() if self.critic_report is not None else []
         problems += [f"rollouter {p}" for p in paused]
         problems += [f"fault {f.name} never recovered" for f in faults if f.recovered_s == float("inf")]
-        problems += [f"{f.target} took {f.stop_s}s to stop on SIGTERM ({f.busy}; grace {TERM_GRACE_S:.0f}s), exit "
-                     f"{f.exit_code}" for f in faults if f.action == "term" and
-                     (f.exit_code != 0 or f.stop_s > TERM_GRACE_S)]
+        problems += [f"{f.target} exited {f.exit_code} on SIGTERM ({f.busy}; after {f.stop_s}s, killed at its grace "
+                     f"of {TERM_GRACE_S:.0f}s if still running)" for f in faults
+                     if f.action == "term" and f.exit_code != 0]
         problems += [f"fault {f.name} landed after the run had finished ({f.landed_at})" for f in faults
                      if not self._mid_run(f)]
-        return Outcome(faults, reports, problems, self.unexpected, round(time.monotonic() - t0, 1), paused)
+        return Outcome(faults, reports, problems, self.unexpected, round(time.monotonic() - t0, 1), paused,
+                       self.held)
 
     async def _paused_once_answering(self) -> list[str]:
         """The rollouter instances that say they are paused, asked once every instance answers: a restarted one
