@@ -40,3 +40,12 @@ def wait_until_sync(cond: Callable[[], Any], what: str, timeout_s: float = WAIT_
         if time.monotonic() > deadline:
             raise AssertionError(f"{what}: not within {timeout_s:.0f}s")
         time.sleep(interval_s)
+
+
+async def connect(servers: str | list[str], timeout_s: float = WAIT_S, **options: Any) -> Any:
+    """A test's NATS client, whose first connection is retried until ``timeout_s`` as a user's client retries it
+    (a server just started on a loaded machine may answer late); ``options``: more of ``nats.connect``."""
+    import nats
+
+    return await asyncio.wait_for(nats.connect(servers, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
+                                               connect_timeout=10, **options), timeout_s)

@@ -26,7 +26,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import nats
 import pytest
 import torch
 import yaml
@@ -36,6 +35,7 @@ from shared.kernel.config import load_config
 from shared.kernel.memcap import MEMORY_GROUP_ENV, MEMORY_LIMIT_ENV, MemoryGroup, rank_groups, unavailable
 from tests.deepspeed.cases import STEPS, case_config, train
 from tests.e2e.conftest import CHORUS, ROOT
+from tests.waits import connect
 
 pytestmark = pytest.mark.deepspeed
 
@@ -138,7 +138,7 @@ async def test_the_torch_learner_under_the_cap_is_reported_out_of_memory_by_mode
             run_id = next(m.group(1) for x in lines if (m := re.match(r"run (\S+) in ", x)))
             run_dir = tmp_path / "runs" / run_id
             password = (run_dir / "nats" / "observer.password").read_text().strip()
-            nc = await nats.connect(url.group(1), user="observer", password=password)
+            nc = await connect(url.group(1), user="observer", password=password)
 
             async def on_event(msg) -> None:  # noqa: ANN001 - nats Msg
                 events.append(json.loads(msg.data))

@@ -10,7 +10,6 @@ import os
 import re
 import signal
 import subprocess
-import time
 import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -74,11 +73,9 @@ async def prometheus_exporter(nats_url: str) -> AsyncIterator[Callable[[], Await
     finally:
         if proc.returncode is None:
             proc.send_signal(signal.SIGTERM)
-            t0 = time.monotonic()
-            code = await asyncio.wait_for(proc.wait(), 10)
+            code = await asyncio.wait_for(proc.wait(), 60)
             rest = (await proc.stdout.read()).decode(errors="replace")
             assert code == 0, rest[-2000:]
-            assert time.monotonic() - t0 < 10
 
 
 def assert_served(samples: dict[tuple[str, frozenset[tuple[str, str]]], float],

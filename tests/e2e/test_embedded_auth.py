@@ -17,7 +17,7 @@ import pytest
 from shared.kernel.subjects import Names
 from tests.conftest import ROOT
 from tests.e2e.conftest import small_run_config
-from tests.waits import wait_until
+from tests.waits import connect, wait_until
 
 CHORUS = str(Path(sys.executable).parent / "chorus")
 VERSIONS = 30
@@ -77,8 +77,8 @@ async def test_only_the_runs_own_services_may_write_its_kv_on_the_embedded_serve
         async def on_error(exc: Exception) -> None:
             denied.append(str(exc))
 
-        nc = await nats.connect(url, user="observer", password=password, error_cb=on_error,
-                                inbox_prefix=b"_INBOX.observer")
+        nc = await connect(url, user="observer", password=password, error_cb=on_error,
+                           inbox_prefix=b"_INBOX.observer")
         try:
             js = nc.jetstream(timeout=5)
             kv = await js.key_value(names.kv_bucket)

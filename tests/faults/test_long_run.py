@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import time
 
-import nats
 import pytest
 
 from shared.kernel.bus import kv_get_int, run_consumers
@@ -18,6 +17,7 @@ from shared.kernel.subjects import Names
 from tests.conftest import ROOT
 from tests.e2e.cluster import Cluster
 from tests.faults.harness import MODELS, Broker, fault_config
+from tests.waits import connect
 
 SAMPLE_S = 3.0
 START_S = 300.0  # the most start-up may take (every model trained once) on a busy machine
@@ -30,7 +30,7 @@ async def test_the_tiny_run_at_concurrency_64_keeps_training_with_a_flat_consume
     config = fault_config(tmp_path, run_id, max_versions=10_000_000, concurrency=64)
     cluster = Cluster(config, broker.url, tmp_path / "logs")
     names = Names(run_id)
-    nc = await nats.connect(broker.url)
+    nc = await connect(broker.url)
     samples: list[tuple[float, dict[str, int], int]] = []  # (seconds of training, trained per model, consumers)
     try:
         cluster.start_all(MODELS)

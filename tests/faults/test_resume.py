@@ -13,7 +13,6 @@ import sys
 import time
 from pathlib import Path
 
-import nats
 import pytest
 import yaml
 
@@ -23,6 +22,7 @@ from shared.launcher.natsserver import NatsServer
 from shared.launcher.supervisor import descendants
 from tests.faults.harness import MODELS, fault_config
 from tests.faults.ledger import Ledger, violations
+from tests.waits import connect
 
 CHORUS = str(Path(sys.executable).parent / "chorus")
 MAX_VERSIONS = 80  # far enough for the kill to land mid-run (the tiny run makes a few versions a second)
@@ -136,7 +136,7 @@ async def killed_and_resumed(tmp_path: Path, run_id: str, config: Path, services
             for sid, t in earlier.published_at.items():
                 ledger.published_at[sid] = min(t, ledger.published_at.get(sid, t))
         reports = await ledger.report(killed_at=killed_at)
-        nc = await nats.connect(server.url)
+        nc = await connect(server.url)
         kv = await nc.jetstream().key_value(Names(full_id).kv_bucket)
         after = {m: await kv_get_int(kv, Names.trained_key(m)) for m in MODELS}
         await nc.close()

@@ -109,16 +109,22 @@ async def test_malformed_and_unknown_requests_go_to_the_dlq_with_an_error_reply(
 
 async def test_requests_are_served_concurrently_up_to_the_core_budget(actions: ActionsService, nats_url: str):
     nc = await nats.connect(nats_url)
+    seen: list[tuple[int, int]] = []  # (running, waiting) as the pool had them, sampled while the requests run
+
+    async def sample() -> None:
+        while True:
+            seen.append((actions.pool.busy, actions.pool.queued))
+            await asyncio.sleep(0.01)
+
+    sampler = asyncio.create_task(sample())
     try:
-        loop = asyncio.get_running_loop()
-        t0 = loop.time()
-        reqs = [ActionRequest(action_id=f"c{i}", kind="echo", payloads=[{"sleep_s": 0.3}]) for i in range(4)]
+        reqs = [ActionRequest(action_id=f"c{i}", kind="echo", payloads=[{"sleep_s": 1.0}]) for i in range(4)]
         results = await asyncio.gather(*(ask(nc, actions, r) for r in reqs))
-        elapsed = loop.time() - t0
         assert all(r.errors == [None] for r in results)
-        # 4 x 0.3 s on 2 cores: two rounds, not four, and not one.
-        assert 0.55 <= elapsed < 1.15, elapsed
+        # 4 actions on 2 cores: two ran side by side while the other two waited; never more than two at once.
+        assert max(busy for busy, _ in seen) == 2 and (2, 2) in seen, sorted(set(seen))
     finally:
+        sampler.cancel()
         await nc.close()
 
 
@@ -126,8 +132,6 @@ async def test_run_code_survives_loops_and_memory_bombs_and_keeps_serving(action
     tests = "assert add(2, 3) == 5\nassert add(-1, 1) == 0\nassert add(10, 5) == 15\n"
     nc = await nats.connect(nats_url)
     try:
-        loop = asyncio.get_running_loop()
-        t0 = loop.time()
         req = ActionRequest(action_id="code1", kind="run_code", timeout_s=30, payloads=[
             {"code": "def add(a, b):\n    while True:\n        pass\n", "tests": tests},
             {"code": "blob = bytearray(10**10)\n", "tests": tests},
@@ -135,12 +139,12 @@ async def test_run_code_survives_loops_and_memory_bombs_and_keeps_serving(action
             {"code": "def add(a, b):\n    return a + b\n", "tests": tests},
             {"code": "def add(a, b):\n    return abs(a) + b\n", "tests": tests},
         ])
-        res = await ask(nc, actions, req, timeout=60)
-        # 5 payloads on 2 cores; the loop is stopped by the service's 5 s cap, not the request's 30 s.
-        assert loop.time() - t0 < 25
+        res = await ask(nc, actions, req, timeout=120)
         assert res.error is None and res.errors == [None] * 5
         loop_r, bomb, hog, good, wrong = res.results
-        assert loop_r["passed"] is False and loop_r["error"].startswith("timeout after") and loop_r["reward"] == 0.0
+        # the loop is stopped within the service's 5 s cap (the limit it names), not at the request's 30 s
+        assert loop_r["passed"] is False and loop_r["reward"] == 0.0
+        assert loop_r["error"].startswith("timeout after ") and float(loop_r["error"][14:-1]) <= 5.0, loop_r
         assert bomb["passed"] is False and bomb["error"] == "MemoryError" and bomb["tests_passed"] == 0
         assert hog["passed"] is False and hog["error"] == "MemoryError"
         assert good == {"passed": True, "tests_passed": 3, "tests_total": 3, "reward": 1.0, "error": None,
@@ -166,24 +170,20 @@ async def test_run_code_survives_loops_and_memory_bombs_and_keeps_serving(action
 
 async def test_a_streamed_batch_answers_each_action_as_soon_as_it_ends(actions: ActionsService, nats_url: str):
     """One request with a slow and a fast action: the fast one's answer arrives first, not with the slow one."""
-    import time
-
     nc = await nats.connect(nats_url)
     try:
         inbox = nc.new_inbox()
         sub = await nc.subscribe(inbox, max_msgs=2)
         req = ActionRequest(action_id="st", kind="cpu_affinity", payloads=[{"spin_s": 0.8}, {"spin_s": 0.0}],
                             timeout_s=5, stream=True)
-        t0 = time.monotonic()
         await nc.publish(actions.names.actions_submit(), encode(req), reply=inbox)
         got = []
         for _ in range(2):
             msg = await sub.next_msg(timeout=60)
             res = decode(ActionResult, msg.data)
-            got.append((res.index, time.monotonic() - t0, res))
-        assert [i for i, _, _ in got] == [1, 0]  # the fast action (index 1) answered first
-        assert got[0][1] < got[1][1]
-        for _, _, res in got:
+            got.append((res.index, res))
+        assert [i for i, _ in got] == [1, 0]  # the fast action (index 1) answered first
+        for _, res in got:
             assert res.action_id == "st" and res.errors == [None] and "cpus" in res.results[0], res
     finally:
         await nc.close()

@@ -3,7 +3,6 @@ namespaces where this machine allows), and wrong ones fail."""
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 from services.actions.actions import REGISTRY
@@ -20,14 +19,12 @@ def _check(problem: dict, response: str) -> dict:
 def test_every_humaneval_canonical_solution_passes_and_a_wrong_one_fails():
     problems = datasets.humaneval_problems()
     assert len(problems) == 164
-    isolation()  # the one-off trial run, before the clock
-    t0 = time.monotonic()
+    isolation()  # the one-off trial run
     with ThreadPoolExecutor(2) as pool:  # each check is a sandbox subprocess: two at a time on two cores
         results = list(pool.map(lambda p: _check(p, p["canonical_solution"]), problems))
     failed = [(p["task_id"], r["error"]) for p, r in zip(problems, results, strict=True) if not r["passed"]]
     assert not failed, failed
     assert all(r["reward"] == 1.0 and r["tests_total"] == 1 for r in results)
-    assert time.monotonic() - t0 < 60
     wrong = _check(problems[0], "    return not True\n")
     assert not wrong["passed"] and wrong["reward"] == 0.0 and "AssertionError" in wrong["error"]
     broken = _check(problems[1], "    return [\n")

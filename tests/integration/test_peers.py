@@ -1,9 +1,9 @@
-"""Requests to a peer that dies or freezes fail in about a probe interval, against a real nats-server."""
+"""Requests to a peer that dies or freezes fail once a probe finds it gone (PeerGone), not at their own timeout,
+against a real nats-server."""
 
 from __future__ import annotations
 
 import asyncio
-import time
 
 import nats
 import nats.errors
@@ -62,9 +62,7 @@ async def test_probe_tells_alive_from_dead_from_frozen(nats_url: str, run_id: st
         assert await probe(nc, peer.status, 1.0) is Liveness.ALIVE
         assert await probe(nc, f"{run_id}.nobody", 1.0) is Liveness.DEAD
         await nc.subscribe(f"{run_id}.frozen.status")  # subscribed, never answers: a SIGSTOPped process
-        t0 = time.monotonic()
         assert await probe(nc, f"{run_id}.frozen.status", 0.3) is Liveness.SILENT
-        assert time.monotonic() - t0 < 1.0
     finally:
         await nc.close()
 
@@ -85,40 +83,35 @@ async def test_an_accepted_request_is_answered_through_the_mux(nats_url: str, ru
         with pytest.raises(nats.errors.NoRespondersError):
             await mux.request(f"{run_id}.nobody", b"x", 5.0)
         await nc.subscribe(f"{run_id}.deaf", queue="q")  # takes requests, never accepts them
-        t0 = time.monotonic()
-        with pytest.raises(NotAccepted):
-            await mux.request(f"{run_id}.deaf", b"x", 30.0)
-        assert time.monotonic() - t0 < 3.0
+        with pytest.raises(NotAccepted):  # at the acceptance timeout; the request's own would raise TimeoutError
+            await mux.request(f"{run_id}.deaf", b"x", 600.0)
         await mux.close()
     finally:
         loop.cancel()
         await nc.close()
 
 
-async def test_a_request_to_a_peer_that_dies_fails_in_seconds_not_at_its_timeout(nats_url: str, run_id: str) -> None:
+async def test_a_request_to_a_peer_that_dies_fails_as_gone_not_at_its_timeout(nats_url: str, run_id: str) -> None:
     nc = await nats.connect(nats_url)
     watch = PeerWatch(nc, CFG)
     loop = asyncio.create_task(watch.run())
     try:
         mux = await ReplyMux(nc, watch, CFG).start()
         slow = await Peer(nc, f"{run_id}.slow", answer_after_s=None).start(f"{run_id}.work")  # accepts, never answers
-        pending = asyncio.create_task(mux.request(f"{run_id}.work", b"x", 60.0))
+        # timeouts of 600 s: their end would raise TimeoutError; PeerGone comes from the probes
+        pending = asyncio.create_task(mux.request(f"{run_id}.work", b"x", 600.0))
         await asyncio.sleep(0.5)
-        t0 = time.monotonic()
         await slow.die()
         with pytest.raises(PeerGone):
             await pending
-        assert time.monotonic() - t0 < 2.0  # a probe interval or two, not the 60 s timeout
         assert watch.counters["peers_dead"] == 1
 
         # Frozen rather than dead: its status subject is still subscribed but never answers.
         frozen = f"{run_id}.frozen.status"
         await nc.subscribe(frozen)
         await nc.subscribe(f"{run_id}.frozen.work")
-        t0 = time.monotonic()
         with pytest.raises(PeerGone):
-            await request_watched(nc, f"{run_id}.frozen.work", b"x", 60.0, watch, frozen)
-        assert time.monotonic() - t0 < 3.0
+            await request_watched(nc, f"{run_id}.frozen.work", b"x", 600.0, watch, frozen)
         assert watch.counters["peers_silent"] == 1
     finally:
         loop.cancel()

@@ -20,6 +20,7 @@ from shared.kernel.subjects import Names
 from shared.launcher.natsserver import NatsServer, free_port, nats_server_binary
 from tests.conftest import ROOT
 from tests.natstls import make_tls
+from tests.waits import connect
 
 CHORUS = str(Path(sys.executable).parent / "chorus")
 
@@ -122,7 +123,7 @@ async def test_nats_sync_always_creates_the_runs_streams_on_a_server_that_fsyncs
     assert cfg.nats.sync_always is sync_always
     server = NatsServer(tmp_path / "nats", monitor_port=free_port(), sync_always=cfg.nats.sync_always).start()
     try:
-        nc = await nats.connect(server.url)
+        nc = await connect(server.url)
         try:
             js = nc.jetstream(timeout=10)
             await ensure_run(js, cfg)

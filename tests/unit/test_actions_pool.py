@@ -6,7 +6,6 @@ import asyncio
 import json
 import math
 import os
-import time
 
 import pytest
 from hypothesis import given, settings
@@ -264,10 +263,10 @@ async def test_run_code_scores_each_top_level_assert(pool: WorkerPool):
 )
 async def test_runaway_code_is_an_error_result_and_the_worker_lives_on(pool: WorkerPool, code: str, error: str):
     pids = pool.pids()
-    t0 = time.monotonic()
-    # 1.5 s: filling the memory limit can take over half a second where first-touch page faults are slow
-    out = await pool.run("run_code", {"code": code, "tests": ADD_TESTS, "timeout_s": 1.5}, 5)
-    assert time.monotonic() - t0 < 4
+    # The loop is stopped by its own 1.5 s limit; every other case has 60 s to meet its end (filling the memory
+    # limit takes seconds where first-touch page faults are slow, on a loaded machine), so a timeout there fails.
+    limit = 1.5 if error.startswith("timeout") else 60.0
+    out = await pool.run("run_code", {"code": code, "tests": ADD_TESTS, "timeout_s": limit}, limit + 30)
     assert out.error is None and out.result is not None
     assert out.result["passed"] is False and out.result["tests_passed"] == 0 and out.result["reward"] == 0.0
     assert out.result["error"].startswith(error)
@@ -496,16 +495,15 @@ async def test_a_slow_action_does_not_delay_a_fast_one_submitted_with_it():
     pool = WorkerPool(2, memory_mb=256, policy="elastic")
     await pool.start()
     try:
-        t0 = time.monotonic()
-        done: dict[str, float] = {}
+        done: list[str] = []
 
         async def one(name: str, spin: float) -> None:
-            out = await pool.run("cpu_affinity", {"spin_s": spin}, timeout_s=20)
+            out = await pool.run("cpu_affinity", {"spin_s": spin}, timeout_s=60)
             assert out.error is None, out
-            done[name] = time.monotonic() - t0
+            done.append(name)
 
         await asyncio.gather(one("slow", 2.0), one("fast", 0.05))
-        assert done["fast"] < done["slow"], done  # answered as soon as it ended, not with the slow one
+        assert done == ["fast", "slow"], done  # answered as soon as it ended, not with the slow one
     finally:
         await pool.close()
 

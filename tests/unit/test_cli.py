@@ -229,10 +229,8 @@ async def test_supervisor_stops_children_and_reports_one_that_dies(tmp_path: Pat
     assert dead[0].popen.returncode == 3
     assert "boom: bad weights" in dead[0].tail()
     assert sleeper.alive()
-    t0 = time.monotonic()
-    codes = await sup.stop_all(grace_s=10)
-    assert time.monotonic() - t0 < 5
-    assert codes == {"sleeper-0": -15, "crasher-0": 3}
+    codes = await sup.stop_all(grace_s=600)
+    assert codes == {"sleeper-0": -15, "crasher-0": 3}  # ended by the SIGTERM itself, not a SIGKILL after the grace
     assert sup.exited() == []  # exits after stop are expected
 
 
