@@ -472,11 +472,12 @@ async def run_up(config_path: Path | None, *, timeout_s: float | None = None, co
                             sync_always=cfg.nats.sync_always, websocket_port=free_port())
         server.start()
         url = server.url
+        if auth is not None:  # the password files first: whoever reads the server's address may use them at once
+            auth.apply(cfg, run_dir)
+            own_nats = auth.as_kind(cfg.nats, "supervisor")
         console.print(f"embedded nats-server at {url} (WebSocket {server.websocket_url}; log {server.log_file})",
                       highlight=False)
         if auth is not None:
-            auth.apply(cfg, run_dir)
-            own_nats = auth.as_kind(cfg.nats, "supervisor")
             console.print(f"a password per service kind; the read-only observer's is in {run_dir}/nats/observer.password"
                           " (user observer)", highlight=False)
     assert url, "no broker: neither nats.url nor an embedded server"  # embedded is `not cfg.nats.url`
