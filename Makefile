@@ -10,7 +10,7 @@ CONFIG ?= configs/demo.yaml
 # The extras `make venv` installs. Not ucx: ucxx-cu12 pulls CUDA libraries (make venv-ucx adds it).
 VENV_EXTRAS := dev
 
-.PHONY: test-browser compose-test compose-build test-hosts chaos venv venv-ucx venv-vllm test-vllm venv-deepspeed test-deepspeed demo test test-long test-cuda gpu-wheels gpu-check test-ucx e2e faults soak lint plot bench docs check-cpu-deps clean
+.PHONY: test-browser compose-test compose-build test-hosts chaos long-runs venv venv-ucx venv-vllm test-vllm venv-deepspeed test-deepspeed demo test test-long test-cuda gpu-wheels gpu-check test-ucx e2e faults soak lint plot bench docs check-cpu-deps clean
 
 venv: $(STAMP)
 
@@ -57,9 +57,15 @@ test-vllm: venv-vllm
 # DeepSpeed as a trainer backend (models.<m>.trainer.backend: deepspeed): the deepspeed extra in .venv (with the CPU
 # torch it pulls no CUDA library, which the dependency check proves). `make test-deepspeed` runs the tests marked
 # deepspeed (ZeRO-1/2/3 against the torch learner, a run with a 2-rank group, its ranks killed).
-venv-deepspeed: venv
+# A stamp: a second `make test-deepspeed` installs nothing (a reinstall of the editable project while other tests
+# start processes from this venv would pull it from under them).
+DEEPSPEED_STAMP := $(VENV)/.chorus-deepspeed
+venv-deepspeed: $(DEEPSPEED_STAMP)
+
+$(DEEPSPEED_STAMP): $(STAMP)
 	$(BIN)/pip install -e '.[dev,deepspeed]'
 	$(BIN)/python -m shared.launcher.depcheck dev deepspeed
+	touch $@
 
 test-deepspeed: venv-deepspeed
 	$(BIN)/pytest -q -p no:cacheprovider -m deepspeed --timeout 900 --durations 8
@@ -73,13 +79,17 @@ test: venv
 	$(BIN)/pytest -q -p no:cacheprovider -n 2 tests/unit tests/integration
 	$(BIN)/pytest -q -p no:cacheprovider --durations 8 --ignore=tests/unit --ignore=tests/integration
 
-# The runs kept out of make test's 20 minutes, which CI runs beside it: a minute at concurrency 64 with a flat
-# JetStream consumer count, the tiny run under the decoupled and REINFORCE++ objectives, a killed run resumed (with
-# one trainer per model and with a training pool), SIGTERM of every kind mid-work, the embedded server's credentials,
-# the tiny MARFT run, a stalled trainer in async mode, the fault gauntlet (every kind and the broker killed in one
-# run, a training pool's slot killed, MARFT's critic killed twice),
-# five minutes of chaos on the five hosts (as root).
+# The runs kept out of make test's 20 minutes: `make long-runs` and five minutes of chaos on the five hosts (as root).
+# CI runs the two beside other targets.
 test-long: venv
+	$(MAKE) long-runs
+	$(MAKE) chaos MINUTES=5
+
+# A minute at concurrency 64 with a flat JetStream consumer count, the tiny run under the decoupled and REINFORCE++
+# objectives, a killed run resumed (with one trainer per model and with a training pool), SIGTERM of every kind
+# mid-work, the embedded server's credentials, the tiny MARFT run, a stalled trainer in async mode, the fault
+# gauntlet (every kind and the broker killed in one run, a training pool's slot killed, MARFT's critic killed twice).
+long-runs: venv
 	$(BIN)/pytest -q -p no:cacheprovider -m full --durations 4 tests/e2e/test_objectives.py tests/faults/test_resume.py \
 		tests/faults/test_sigterm.py tests/e2e/test_embedded_auth.py \
 		"tests/faults/test_long_run.py::test_the_tiny_run_at_concurrency_64_keeps_training_with_a_flat_consumer_count[1min]" \
@@ -88,7 +98,6 @@ test-long: venv
 		tests/faults/test_faults.py::test_marfts_critic_killed_twice_mid_run_loses_nothing_and_trains_nothing_twice \
 		tests/faults/test_faults.py::test_a_training_pool_slot_killed_mid_micro_batch_loses_nothing \
 		tests/faults/test_faults.py::test_every_service_kind_and_the_broker_killed_in_one_run
-	CHAOS_MINUTES=5 $(BIN)/pytest -q -p no:cacheprovider -m chaos -s tests/hosts/test_chaos.py
 
 # The dashboard in real browsers (tests marked browser): headless Chromium (Debian's chromium and chromium-driver,
 # driven by selenium) and Firefox (Debian's firefox-esr, over the WebDriver BiDi it speaks itself), installed here
@@ -123,7 +132,8 @@ test-hosts: venv
 MINUTES ?= 30
 SEED ?=
 chaos: venv
-	CHAOS_MINUTES=$(MINUTES) CHAOS_SEED=$(SEED) $(BIN)/pytest -q -p no:cacheprovider -m chaos -s --timeout 0 tests/hosts/test_chaos.py
+	CHAOS_MINUTES=$(MINUTES) CHAOS_SEED=$(SEED) $(BIN)/pytest -q -p no:cacheprovider -m chaos -s --timeout 0 --durations 1 \
+		tests/hosts/test_chaos.py
 
 # The GPU check (docs/backends.md#the-gpu-check) on a machine with a CUDA build of torch and nothing else installed:
 # the cuda-marked tests, the rollout engines against transformers' generate (float32, bfloat16), a ZeRO-2 group on

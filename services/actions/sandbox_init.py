@@ -74,7 +74,7 @@ def encode(value: object, depth: int = 0) -> object:
     tag = tags.get(kind)
     if tag is None:
         raise Unserialisable(f"unserialisable value of type {kind.__name__}")
-    return {tag: [encode(v, depth + 1) for v in cast(Iterable[object], value)]}
+    return {tag: [encode(v, depth + 1) for v in cast("Iterable[object]", value)]}
 
 
 def decode(data: object, depth: int = 0) -> object:

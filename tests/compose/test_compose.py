@@ -21,8 +21,8 @@ from tests.faults.ledger import violations
 
 pytestmark = pytest.mark.compose
 TINY_VERSIONS = 300  # configs/tiny-chain.yaml's train.max_versions: the main run is the shipped one
-KILL_VERSIONS = 150
-KILLS = (("trainer-solver-lm", 30), ("rollouter-verifier-lm", 70), ("nats", 110))
+KILL_VERSIONS = 90
+KILLS = (("trainer-solver-lm", 20), ("rollouter-verifier-lm", 40), ("nats", 60))
 
 
 def _books(reports, max_versions: int) -> str:

@@ -219,7 +219,7 @@ class FaultRun:
         self.planned = max_versions  # the run's first length; each hold of its end adds as much again
         # A model this close to the end while a fault is still to land: the end is held (:meth:`_hold_end`). Room for
         # the versions trained between a look and the fault's landing, and for its recovery after.
-        self.hold_margin = max(8, max_versions // 4)
+        self.hold_margin = max(2, max_versions // 4)
         self.held: list[int] = []
         self._hold_looked = 0.0
         self.rollouters = rollouters  # instances per model; a fault on the rollouter hits one with work in flight

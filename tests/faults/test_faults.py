@@ -30,7 +30,7 @@ from tests.faults.harness import (
     table,
 )
 
-GAUNTLET_VERSIONS = 60
+GAUNTLET_VERSIONS = 45
 MARFT_VERSIONS = 20
 POOL_VERSIONS = 20
 FREEZE_S = 20.0  # longer than every timeout of the fault config (requests 10 s, ack waits 10 and 15 s)

@@ -25,7 +25,7 @@ from tests.faults.ledger import Ledger, violations
 from tests.waits import connect
 
 CHORUS = str(Path(sys.executable).parent / "chorus")
-MAX_VERSIONS = 80  # far enough for the kill to land mid-run (the tiny run makes a few versions a second)
+MAX_VERSIONS = 40  # far enough for the kill to land mid-run (the tiny run makes a few versions a second)
 KILL_AT = 10
 
 

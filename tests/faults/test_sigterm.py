@@ -19,7 +19,7 @@ from tests.faults.harness import (
     table,
 )
 
-VERSIONS = 80
+VERSIONS = 60
 KINDS = ("paramsync", "trainer", "rollouter", "mq", "coordinator", "actions")
 
 
@@ -34,7 +34,7 @@ async def test_sigterm_in_the_middle_of_a_sync_a_step_or_a_batch_ends_every_serv
     plan = [k for k in KINDS for _ in range(3 if k == "paramsync" else 2)]
     rng.shuffle(plan)
     # a per-model kind on whichever model is behind, so that it lands while that model still trains
-    faults = [Fault(kind, "term", 3 + 4 * i, LAGGING if kind in PER_MODEL_KINDS else "solver_lm", down_s=0.0)
+    faults = [Fault(kind, "term", 3 + 3 * i, LAGGING if kind in PER_MODEL_KINDS else "solver_lm", down_s=0.0)
               for i, kind in enumerate(plan)]
     broker = Broker.single(tmp_path / "nats")
     try:
@@ -56,12 +56,12 @@ async def test_every_service_stopped_at_once_in_the_middle_of_a_sync_exits_withi
     # The whole deployment SIGTERMed at once (chorus up's end, `docker compose down`, a node's shutdown) while a
     # paramsync is inside a sync, three times, then started again: it was a paramsync in this state that once
     # never stopped (its rollouters gone mid-sync). Two rollouter instances per model.
-    faults = [Fault(EVERYTHING, "term", at, model) for at, model in ((5, "solver_lm"), (15, "verifier_lm"),
-                                                                    (25, "solver_lm"))]
+    faults = [Fault(EVERYTHING, "term", at, model) for at, model in ((4, "solver_lm"), (11, "verifier_lm"),
+                                                                    (18, "solver_lm"))]
     broker = Broker.single(tmp_path / "nats")
     try:
-        config = fault_config(tmp_path, run_id, max_versions=40)
-        outcome = await FaultRun(tmp_path, run_id, broker, config, max_versions=40, seed=11, rollouters=2).run(faults)
+        config = fault_config(tmp_path, run_id, max_versions=30)
+        outcome = await FaultRun(tmp_path, run_id, broker, config, max_versions=30, seed=11, rollouters=2).run(faults)
     finally:
         broker.stop()
     fault_table.append(("SIGTERM of every process at once mid-sync", outcome))

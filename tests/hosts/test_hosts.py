@@ -20,7 +20,7 @@ from tests.waits import wait_until
 
 pytestmark = [pytest.mark.hosts, pytest.mark.e2e]
 VERSIONS = 40
-CUT_VERSIONS = 100  # the run goes on through a cut of 20 to 30 s, and on past the heal
+CUT_VERSIONS = 80  # the run goes on through a cut of 20 to 30 s, and on past the heal
 CUT = pytest.mark.parametrize("hosts", [CUT_VERSIONS], indirect=True, ids=[f"{CUT_VERSIONS}-versions"])
 
 
