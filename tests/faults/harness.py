@@ -171,6 +171,7 @@ class Fault:
     cut_at: float = 0.0  # cut: wall time of the cut
     ended_at: float = 0.0  # wall time the process or node was back (restarted, thawed; killed for good: the kill)
     landed_at: dict[str, int] = field(default_factory=dict)  # trained version of every model when it was injected
+    end_then: int = 0  # the run's train.max_versions when it was injected (the harness may move it on later)
     recovered_s: float = 0.0  # from then until every model trained a sample generated after it
     stop_s: float = 0.0  # term: seconds from SIGTERM to the exit
     exit_code: int | None = None  # term: the exit code
@@ -222,6 +223,8 @@ class FaultRun:
         self.hold_margin = max(2, max_versions // 4)
         self.held: list[int] = []
         self._hold_looked = 0.0
+        self._hold_for: Fault | None = None  # the fault still to land or to recover: its models hold the end
+        self._statuses_before_holds: list[dict[str, dict[str, Any]]] = []  # counters of processes a hold ended
         self.rollouters = rollouters  # instances per model; a fault on the rollouter hits one with work in flight
         self.coordinator_status: dict[str, Any] = {}  # its metrics snapshot once the run finished
         self.rng = random.Random(seed)
@@ -259,7 +262,7 @@ class FaultRun:
             before = await self._kill_slot(fault)
         elif fault.target == "nats":
             before = await self.ledger.trained()  # read while the node is up
-            fault.landed_at = dict(before)
+            fault.landed_at, fault.end_then = dict(before), self.max_versions
             self.log.append(f"{time.strftime('%H:%M:%S')} {fault.name} at {before}")
             node = self.broker.nodes[fault.node]
             if fault.action == "kill":
@@ -293,7 +296,7 @@ class FaultRun:
                 child.popen.send_signal(signal.SIGKILL if fault.action == "kill" else signal.SIGSTOP)
             # the versions trained when it landed (the broker is up: read after the signal, not before a wait)
             before = await self.ledger.trained()
-            fault.landed_at = dict(before)
+            fault.landed_at, fault.end_then = dict(before), self.max_versions
             self.log.append(f"{time.strftime('%H:%M:%S')} {fault.name} at {before}")
             if fault.action == "kill":
                 await asyncio.to_thread(child.popen.wait)
@@ -327,7 +330,7 @@ class FaultRun:
         t0 = time.monotonic()
         child.popen.send_signal(signal.SIGTERM)
         before = await self.ledger.trained()
-        fault.landed_at = dict(before)
+        fault.landed_at, fault.end_then = dict(before), self.max_versions
         code = await self._exit_within_grace(child)
         fault.stop_s, fault.exit_code = round(time.monotonic() - t0, 2), code
         self.log.append(f"{time.strftime('%H:%M:%S')} {fault.name} ({fault.busy}) at {before}: exit {code} after "
@@ -366,7 +369,7 @@ class FaultRun:
         before = await self.ledger.trained()
         self.cluster.cut(fault.host, port=fault.port)
         fault.cut_at = time.time()
-        fault.landed_at = dict(before)
+        fault.landed_at, fault.end_then = dict(before), self.max_versions
         self.log.append(f"{time.strftime('%H:%M:%S')} {fault.name} at {before}")
         await asyncio.sleep(fault.down_s)
         self.cluster.heal(fault.host)
@@ -399,6 +402,7 @@ class FaultRun:
                 child.popen.send_signal(signal.SIGTERM)
         before = await self.ledger.trained()
         fault.landed_at, fault.busy = dict(before), f"{fault.model} syncing"
+        fault.end_then = self.max_versions
 
         async def stopped(child: Any) -> tuple[float, int]:
             code = await self._exit_within_grace(child, stacks=signal.SIGUSR2)
@@ -442,7 +446,7 @@ class FaultRun:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
             before = await self.ledger.trained()
-            fault.landed_at = dict(before)
+            fault.landed_at, fault.end_then = dict(before), self.max_versions
             self.log.append(f"{time.strftime('%H:%M:%S')} {fault.name} (pid {pid}, rank {fault.rank} of the slot "
                             f"holding {busy[0]['holder']}) at {before}")
             # a gang's rank: lost at the group's next collective (its step), once the batch is in
@@ -490,22 +494,40 @@ class FaultRun:
         s = await self.ledger.status("coordinator")
         return int(s.get("balance", {}).get("instances", {}).get(model, {}).get(instance, {}).get("requests", 0))
 
+    def _fault_models(self, fault: Fault, now: dict[str, int] | None = None) -> list[str]:
+        """The models a fault must land on while they train, and recover on: its model's (a per-model fault; one
+        still LAGGING: whichever is behind ``now``), or every model (a shared service, the broker, a host)."""
+        if not fault.per_model:
+            return list(self.models)
+        if fault.model == LAGGING:
+            return [min(self.models, key=lambda m: (now or {}).get(m, 0))]
+        return [fault.model]
+
     async def _hold_end(self) -> None:
-        """Hold the run's end while a fault is still to land: once a model trained to within :attr:`hold_margin`
-        versions of ``max_versions``, every service is stopped (SIGTERM, as at a node's shutdown), the config's
-        ``train.max_versions`` moved on by the run's first length and every service started again. A fault then
-        lands, and recovers, while every model still trains, however slow the machine; on a quiet one the run's
-        first length is enough and nothing is done."""
+        """Hold the run's end while a fault is still to land or to recover (:attr:`_hold_for`): once a model it
+        needs trained to within :attr:`hold_margin` versions of ``max_versions``, every service is stopped (SIGTERM,
+        as at a node's shutdown), the config's ``train.max_versions`` moved on by the run's first length and every
+        service started again. A fault then lands, and recovers, while its models still train, however slow the
+        machine; on a quiet one the run's first length is enough and nothing is done. The counters of the stopped
+        processes are kept (:meth:`_with_counts_before_holds`)."""
         self._hold_looked = time.monotonic()
+        if self._hold_for is None:
+            return
         try:
             now = await self.ledger.trained()
         except (nats.errors.Error, TimeoutError):
             return  # a broker node is down (a fault of its own): the next look decides
-        if max(now.values()) < self.max_versions - self.hold_margin:
+        if max(now[m] for m in self._fault_models(self._hold_for, now)) < self.max_versions - self.hold_margin:
             return
         target = max(now.values()) + self.planned
-        self.log.append(f"{time.strftime('%H:%M:%S')} the run's end held at {now}: every service stopped, "
-                        f"max_versions {self.max_versions} -> {target}, started again")
+        self.log.append(f"{time.strftime('%H:%M:%S')} the run's end held at {now} for {self._hold_for.name}: every "
+                        f"service stopped, max_versions {self.max_versions} -> {target}, started again")
+        statuses = {"coordinator": await self.ledger.status("coordinator")}
+        if self.pool:
+            statuses["pool"] = await self.ledger.status("trainer")
+        if self.critic:
+            statuses["critic"] = await self.ledger.status("critic")
+        self._statuses_before_holds.append(statuses)
         children = set(self.cluster.sup.children)
         self.intended.update(children)
         await self.cluster.stop_all()
@@ -516,6 +538,12 @@ class FaultRun:
         self.held.append(target)
         self.cluster.start_all(self.models, rollouters=self.rollouters, critic=self.critic, pool=self.pool)
         self.intended.difference_update(children)
+
+    def _with_counts_before_holds(self, name: str, status: dict[str, Any]) -> dict[str, Any]:
+        """``status`` (a service's final snapshot) with the counts of its processes that holds stopped added in."""
+        for before in self._statuses_before_holds:
+            status = add_counts(status, before.get(name, {}))
+        return status
 
     async def _hold_look(self) -> None:
         """:meth:`_hold_end`, at most every 2 s: asked by the loops that wait for a fault's moment."""
@@ -564,6 +592,7 @@ class FaultRun:
             for fault in faults:
                 if fault.target not in SERVICE_KINDS + ("nats", SLOT, EVERYTHING, HOST):
                     raise ValueError(f"unknown fault target {fault.target!r}")
+                self._hold_for = fault
                 if fault.model == LAGGING:
                     await self._until(lambda v=fault.at_version: self._reached_all(v), timeout_s,
                                       f"every model reaching v{fault.at_version} before {fault.name}", hold=True)
@@ -574,6 +603,7 @@ class FaultRun:
                                   f"{model} reaching v{fault.at_version} before {fault.name}", hold=True)
                 await self._hold_end()
                 await self._inject(fault)
+                self._hold_for = None
             await self._until(lambda: self._reached_all(self.max_versions), timeout_s, "the run finishing")
             # Samples of tasks still in flight are dropped as finished; then the streams run empty.
             await self._until(self._quiet, 120, "the streams emptying after the run")
@@ -581,13 +611,14 @@ class FaultRun:
             reports = await self.ledger.report()
             if self.critic:
                 self.critic_report = await self.ledger.critic_report()
-            self.coordinator_status = await self.ledger.status("coordinator")
+            self.coordinator_status = self._with_counts_before_holds(
+                "coordinator", await self.ledger.status("coordinator"))
             if self.critic:
-                self.critic_status = await self.ledger.status("critic")
+                self.critic_status = self._with_counts_before_holds("critic", await self.ledger.status("critic"))
             if self.pool:
-                self.pool_status = await self.ledger.status("trainer")
+                self.pool_status = self._with_counts_before_holds("pool", await self.ledger.status("trainer"))
             for fault in faults:
-                fault.recovered_s = self.ledger.loop_turned(fault.ended_at)
+                fault.recovered_s = self.ledger.loop_turned(fault.ended_at, self._fault_models(fault))
         finally:
             watcher.cancel()
             await asyncio.gather(watcher, return_exceptions=True)
@@ -627,8 +658,8 @@ class FaultRun:
     def _mid_run(self, fault: Fault) -> bool:
         """A fault proves something only while training goes on: its model's (a shared service's or the broker's:
         every model's) trained version was below the end when it was injected."""
-        models = [fault.model] if fault.per_model else self.models
-        return all(fault.landed_at.get(m, self.max_versions) < self.max_versions for m in models)
+        end = fault.end_then or self.max_versions
+        return all(fault.landed_at.get(m, end) < end for m in self._fault_models(fault))
 
     async def _reached(self, model: str, version: int) -> bool:
         return (await self.ledger.trained())[model] >= version
@@ -642,6 +673,24 @@ class FaultRun:
             return False
         await asyncio.sleep(1.0)
         return await self.ledger.stream_messages() == 0
+
+
+COUNTED = ("counters", "swap")  # the parts of a status snapshot that count since the process started
+
+
+def add_counts(status: dict[str, Any], earlier: dict[str, Any], counting: bool = False) -> dict[str, Any]:
+    """``status`` with the numbers under its ``counters`` and ``swap`` parts (at any depth) summed with
+    ``earlier``'s, a snapshot of a process it replaced; everything else as ``status`` has it."""
+    out = dict(status)
+    for key, value in earlier.items():
+        mine = out.get(key)
+        inside = counting or key in COUNTED
+        if isinstance(value, dict) and isinstance(mine, dict):
+            out[key] = add_counts(mine, value, inside)
+        elif inside and isinstance(value, int | float) and not isinstance(value, bool):
+            if mine is None or (isinstance(mine, int | float) and not isinstance(mine, bool)):
+                out[key] = (mine or 0) + value
+    return out
 
 
 def table(outcomes: list[tuple[str, Outcome]]) -> str:

@@ -260,12 +260,14 @@ class Ledger:
         """The served version of ``model`` last seen before wall time ``when`` (0 before any)."""
         return max((v for t, v in self.served_at[model] if t <= when), default=0)
 
-    def loop_turned(self, since: float) -> float:
-        """Seconds from wall time ``since`` until every model still training then committed a step with a sample
-        published after ``since``: the whole loop (generation, rewards, mq, training, commit) worked again.
-        Needs :meth:`report` first; inf if some model trained on but never did."""
+    def loop_turned(self, since: float, models: list[str] | None = None) -> float:
+        """Seconds from wall time ``since`` until every model (of ``models``: default all) still training then
+        committed a step with a sample published after ``since``: the whole loop (generation, rewards, mq,
+        training, commit) worked again. Needs :meth:`report` first; inf if some model trained on but never did."""
         worst = 0.0
-        for recs in self.steps.values():
+        for model, recs in self.steps.items():
+            if models is not None and model not in models:
+                continue
             if not any(t > since for t, _ in recs):
                 continue  # the model had finished already
             times = [t for t, ids in recs if t > since and any(self.published_at.get(i, 0.0) > since for i in ids)]
