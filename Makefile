@@ -73,11 +73,12 @@ test-deepspeed: venv-deepspeed
 demo: venv
 	$(BIN)/chorus up $(CONFIG)
 
-# The unit and integration tests (each its own broker and processes at most) run on two workers; the end-to-end and
-# fault runs, which start many processes each, one at a time.
+# The unit and integration tests (each its own broker and processes at most) run on three workers: many of them wait on
+# a timer or a peer's answer, and three keep two cores busier than two; the end-to-end and fault runs, each of which
+# starts a run's dozen processes, two at a time (one leaves a quarter of two cores idle, waiting for its processes).
 test: venv
-	$(BIN)/pytest -q -p no:cacheprovider -n 2 tests/unit tests/integration
-	$(BIN)/pytest -q -p no:cacheprovider --durations 8 --ignore=tests/unit --ignore=tests/integration
+	$(BIN)/pytest -q -p no:cacheprovider -n 3 tests/unit tests/integration
+	$(BIN)/pytest -q -p no:cacheprovider -n 2 --durations 8 --ignore=tests/unit --ignore=tests/integration
 
 # The runs kept out of make test's 20 minutes: `make long-runs` and five minutes of chaos on the five hosts (as root).
 # CI runs the two beside other targets.
@@ -90,7 +91,7 @@ test-long: venv
 # mid-work, the embedded server's credentials, the tiny MARFT run, a stalled trainer in async mode, the fault
 # gauntlet (every kind and the broker killed in one run, a training pool's slot killed, MARFT's critic killed twice).
 long-runs: venv
-	$(BIN)/pytest -q -p no:cacheprovider -m full --durations 4 tests/e2e/test_objectives.py tests/faults/test_resume.py \
+	$(BIN)/pytest -q -p no:cacheprovider -n 2 -m full --durations 4 tests/e2e/test_objectives.py tests/faults/test_resume.py \
 		tests/faults/test_sigterm.py tests/e2e/test_embedded_auth.py \
 		"tests/faults/test_long_run.py::test_the_tiny_run_at_concurrency_64_keeps_training_with_a_flat_consumer_count[1min]" \
 		tests/e2e/test_marft.py \

@@ -265,18 +265,27 @@ def part_zero(a: argparse.Namespace) -> dict[str, Any]:
     # per-element view misses or exaggerates (AdamW turns a gradient of rounding noise into a full-size step)
     err = sum(float((group["tensors"][k].float() - t.float()).pow(2).sum()) for k, t in own.items()) ** 0.5
     step = sum(float((t - start[k]).pow(2).sum()) for k, t in own.items()) ** 0.5
-    close = all(torch.allclose(group["tensors"][k], t, atol=a.atol, rtol=a.rtol) for k, t in own.items())
+    # Every element close, but for at most 1 in 10,000 of a tensor within AdamW's own bound (2 lr a step): Adam's
+    # update is about lr * sign(g) for any |g| well above eps, and an element whose clipped gradient is within float
+    # rounding of eps moves by another fraction of lr when the ranks sum in another order (as in
+    # tests/deepspeed/test_memory_cap.py).
+    bound = 2 * cfg.models["m"].optim.lr * STEPS
+    off = {k: int((~torch.isclose(group["tensors"][k], t, atol=a.atol, rtol=a.rtol)).sum()) for k, t in own.items()}
+    close = all(n <= max(1, own[k].numel() // 10_000) for k, n in off.items()) and diff <= bound
     loss_diff = max(abs(x - y) for x, y in zip(group["losses"], losses, strict=True))
     ok = close and group["version"] == STEPS and loss_diff <= 1e-4 * max(1.0, max(abs(x) for x in losses))
-    errors = [] if ok else [f"the ZeRO-2 group differs from the torch learner: max |dw| {diff:.3e} (allclose "
-                            f"{close}), max |dloss| {loss_diff:.3e}, version {group['version']} of {STEPS}"]
+    errors = [] if ok else [f"the ZeRO-2 group differs from the torch learner: max |dw| {diff:.3e} (close {close}: "
+                            f"{sum(off.values())} elements off, AdamW's bound {bound:.1e}), max |dloss| "
+                            f"{loss_diff:.3e}, version {group['version']} of {STEPS}"]
     print(f"ZeRO-2 on {ranks} rank(s) ({'nccl' if a.device == 'cuda' else 'gloo'}) against the torch learner, "
           f"{STEPS} steps: losses {group['losses']} vs {losses}; max |dw| {diff:.2e} (weights moved up to "
-          f"{moved:.2e}); allclose(atol={a.atol}, rtol={a.rtol}) {close}", flush=True)
+          f"{moved:.2e}); {sum(off.values())} of {sum(t.numel() for t in own.values())} elements outside "
+          f"allclose(atol={a.atol}, rtol={a.rtol}), within AdamW's bound {bound:.1e}: {close}", flush=True)
     return {"ranks": ranks, "backend": "nccl" if a.device == "cuda" else "gloo", "steps": STEPS,
             "parameters": sum(t.numel() for t in own.values()), "group_losses": group["losses"],
             "torch_losses": losses, "max_abs_loss_diff": loss_diff, "max_abs_weight_diff": diff,
-            "max_weight_moved": moved, "update_relative_error": err / step if step else None, "allclose": close,
+            "max_weight_moved": moved, "update_relative_error": err / step if step else None, "close": close,
+            "elements_off": sum(off.values()), "adamw_bound": bound,
             "atol": a.atol, "rtol": a.rtol,
             "group_s_with_start": round(group_s, 1), "torch_learner_s": round(torch_s, 1), "errors": errors}
 

@@ -7,7 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.faults.conftest import fault_table, pytest_terminal_summary  # noqa: F401 - the table of cases
+from tests.faults.conftest import (  # noqa: F401 - the table of cases
+    fault_table,
+    pytest_configure,
+    pytest_sessionfinish,
+    pytest_terminal_summary,
+)
 from tests.faults.harness import fault_config
 from tests.hosts.deployment import HostDeployment
 from tests.hosts.netns import sweep_stale

@@ -62,7 +62,7 @@ def test_the_dry_runs_zero2_group_trains_what_the_torch_learner_trains(tmp_path)
     zero = json.loads((tmp_path / "gpu-check.json").read_text())["parts"]["zero"]
     assert zero["status"] == "ok", zero
     figures = zero["figures"]
-    assert figures["backend"] == "gloo" and figures["ranks"] == 2 and figures["allclose"]
+    assert figures["backend"] == "gloo" and figures["ranks"] == 2 and figures["close"]
     assert figures["max_weight_moved"] > 1e-3 and figures["update_relative_error"] < 1e-2
 
 
