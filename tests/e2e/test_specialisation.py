@@ -144,7 +144,7 @@ async def test_mixed_a_lora_agent_and_a_full_model_agent_train_side_by_side_and_
         assert {(s.agent, s.adapter) for s in seen.trained("full_b")} == {("verifier", None)}
         # Scraped over HTTP: the latest value of every numeric field of every service instance of the run.
         assert {p["service"] for p in last.values()} >= {"coordinator", "rollouter", "mq", "trainer", "paramsync"}
-        deadline = asyncio.get_running_loop().time() + 15
+        deadline = asyncio.get_running_loop().time() + 120
         while True:
             try:
                 checked = assert_served(parse_exposition(await scrape()), last)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -201,13 +202,14 @@ async def test_a_pause_without_a_controller_expires_and_the_instance_resumes(nat
         assert await asyncio.wait_for(task, 30) == 0
 
 
-async def _paused_for(nc: nats.aio.client.Client, svc: RollouterService, ctl: RolloutControl) -> float:
-    """Send ``ctl`` (a pause nobody resumes) and return how long the instance stayed paused."""
+async def _lease_of(nc: nats.aio.client.Client, svc: RollouterService, ctl: RolloutControl) -> float:
+    """Send ``ctl`` (a pause nobody resumes and no controller watches): the lease the instance took for it, once
+    the instance resumed by itself (nothing but the lease running out can resume it)."""
     m = await nc.request(svc.names.rollout_control(MODEL, "0", "pause"), encode(ctl), timeout=10)
-    t0 = asyncio.get_running_loop().time()
     assert decode(RolloutControlReply, m.data).ok and svc.batcher.paused
+    lease = svc._pause_lease
     await wait_until(lambda: not svc.batcher.paused, "the instance resumed by itself", interval_s=0.02)
-    return asyncio.get_running_loop().time() - t0
+    return lease
 
 
 async def test_a_pause_lasts_as_long_as_it_says_with_the_default_sync_timeouts(nats_url: str, run_id: str,
@@ -218,10 +220,10 @@ async def test_a_pause_lasts_as_long_as_it_says_with_the_default_sync_timeouts(n
     task = await start(svc)
     nc = await nats.connect(nats_url)
     try:
-        paused = await _paused_for(nc, svc, RolloutControl(verb="pause", timeout_s=1))
-        assert 1.0 <= paused < 20, paused  # its own second (and the probe interval), not the sync's 136 s
-        paused = await _paused_for(nc, svc, RolloutControl(verb="pause", timeout_s=1, lease_s=3))
-        assert 3.0 <= paused < 22, paused  # a lease named in the message wins over the drain timeout
+        lease = await _lease_of(nc, svc, RolloutControl(verb="pause", timeout_s=1))
+        assert lease == 1.0, lease  # its own second, not the sync's 136 s
+        lease = await _lease_of(nc, svc, RolloutControl(verb="pause", timeout_s=1, lease_s=3))
+        assert lease == 3.0, lease  # a lease named in the message wins over the drain timeout
         assert svc.counters["auto_resumes"] == 2
     finally:
         await nc.close()
@@ -236,8 +238,8 @@ async def test_no_pause_outlasts_paramsync_max_pause_s(nats_url: str, run_id: st
     task = await start(svc)
     nc = await nats.connect(nats_url)
     try:
-        paused = await _paused_for(nc, svc, RolloutControl(verb="pause", timeout_s=1, lease_s=1e9))
-        assert 2.0 <= paused < 20, paused
+        lease = await _lease_of(nc, svc, RolloutControl(verb="pause", timeout_s=1, lease_s=1e9))
+        assert lease == 2.0, lease  # capped at paramsync.max_pause_s
         assert svc.counters["auto_resumes"] == 1
     finally:
         await nc.close()
@@ -277,9 +279,8 @@ async def test_a_pause_from_a_sync_that_gave_up_on_the_instance_ends_with_that_s
         await asyncio.sleep(4 * probes)
         assert svc.batcher.paused and svc.counters["auto_resumes"] == 0
         await sync_state("running", 7, ["1"])  # the sync dropped it: over for this instance
-        t0 = asyncio.get_running_loop().time()
         await wait_until(lambda: not svc.batcher.paused, "the instance resumed by itself", interval_s=0.05)
-        assert asyncio.get_running_loop().time() - t0 < 30, "resumed by the lease, not by the sync's end"
+        assert time.monotonic() < svc._pause_until, "resumed by the lease, not by the sync's end"
         assert svc.counters["auto_resumes"] == 1
 
         await sync_state("running", 8, ["0"])
