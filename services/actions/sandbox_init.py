@@ -26,7 +26,6 @@ import sys
 
 TYPE_CHECKING = False  # typing is not imported at a sandbox's start: only mypy reads its cast
 if TYPE_CHECKING:
-    from collections.abc import Iterable
     from typing import cast
 else:
     def cast(_type, value):  # noqa: ANN001, ANN202
@@ -74,7 +73,7 @@ def encode(value: object, depth: int = 0) -> object:
     tag = tags.get(kind)
     if tag is None:
         raise Unserialisable(f"unserialisable value of type {kind.__name__}")
-    return {tag: [encode(v, depth + 1) for v in cast("Iterable[object]", value)]}
+    return {tag: [encode(v, depth + 1) for v in cast("tuple[object, ...] | set[object] | frozenset[object]", value)]}
 
 
 def decode(data: object, depth: int = 0) -> object:
