@@ -696,8 +696,8 @@ def add_counts(status: dict[str, Any], earlier: dict[str, Any], counting: bool =
 def table(outcomes: list[tuple[str, Outcome]]) -> str:
     """The cases as a Markdown table: samples published / stored / trained / dropped, regressions, recovery."""
     rows = ["| case | published | stored | trained | dropped (reasons) | missing | trained twice | version "
-            "regression | loop back after (s) | unexpected exits | run s | invariants |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "regression | loop back after (s) | unexpected exits | run s | end held at | invariants |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, o in outcomes:
         rs = o.reports.values()
         dropped: dict[str, int] = {}
@@ -711,7 +711,7 @@ def table(outcomes: list[tuple[str, Outcome]]) -> str:
             f"{sum(len(r.missing) for r in rs)} | {sum(len(r.trained_twice) for r in rs)} | "
             f"{max(max(r.served_regression, r.trained_regression) for r in rs)} | "
             f"{', '.join(str(f.recovered_s) for f in o.faults)} | {len(o.unexpected_exits)} | {o.seconds} | "
-            f"{'hold' if not o.problems else 'BROKEN'} |")
+            f"{', '.join(f'v{v}' for v in o.held) or '-'} | {'hold' if not o.problems else 'BROKEN'} |")
     return "\n".join(rows)
 
 
