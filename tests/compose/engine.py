@@ -22,6 +22,7 @@ from tests.conftest import ROOT
 
 TORCH = "torch==2.13.0"
 TORCH_INDEX = "https://download.pytorch.org/whl/cpu"
+INDEX_PORT = 29413  # this machine's torch index for the image build (outside the ephemeral ports the tests draw)
 BASE_IMAGES = ("python:3.11-slim", "nats:2.15.1-alpine")
 
 
@@ -131,7 +132,10 @@ class Engine:
             if not link.exists():
                 link.symlink_to(wheel)
         handler = _quiet_handler(str(self.work / "index"))
-        self.index = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        try:  # the same address every time: it is a build argument, and another one would miss Docker's build cache
+            self.index = http.server.ThreadingHTTPServer(("127.0.0.1", INDEX_PORT), handler)
+        except OSError:
+            self.index = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
         threading.Thread(target=self.index.serve_forever, daemon=True).start()
         port = self.index.server_address[1]
         self.build_args["TORCH_INDEX"] = f"http://127.0.0.1:{port}/simple"
