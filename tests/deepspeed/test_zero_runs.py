@@ -78,7 +78,7 @@ async def test_killing_rank_0_or_rank_1_of_a_deepspeed_trainer_loses_nothing_and
     assert all(f.landed_at for f in outcome.faults), describe(outcome)
     for m, r in outcome.reports.items():
         assert r.trained > 0 and r.published > 0, m
-        assert r.versions == list(range(1, 41)), (m, r.versions)  # versions never go back nor repeat
+        assert r.versions == list(range(1, fault_run.max_versions + 1)), (m, r.versions)  # none back, none twice
         assert not r.trained_twice and not r.conflicting_versions, m
 
 

@@ -39,15 +39,18 @@ def vllm_config(tmp_path: Path, run_id: str, **train: object) -> Path:
     return path
 
 
+LEARN_VERSIONS = 150  # the reward has risen by about 0.5 at 100 versions and stays there to the config's 300
+
+
 async def test_tiny_chain_on_vllm_learns_on_both_models(nats_url, run_id, tmp_path):
-    code, text = await chorus_up(vllm_config(tmp_path, run_id), nats_url, 540)  # with its stop, well inside make test-vllm's 900 s
+    code, text = await chorus_up(vllm_config(tmp_path, run_id, max_versions=LEARN_VERSIONS), nats_url, 540)
     assert code == 0, text[-4000:]
     run_dir = sorted((tmp_path / "runs").glob(f"{run_id}-*"))[-1]
     logs = "".join(p.read_text() for p in (run_dir / "logs").glob("rollouter-*.log"))
     assert logs.count('"backend": "vllm"') == 2 and "VllmEngine" in logs  # both models generated with vLLM
     summary = summarize(run_dir / "metrics.jsonl")
     for m in MODELS:
-        assert summary[m]["steps"] >= 300, summary
+        assert summary[m]["steps"] >= LEARN_VERSIONS, summary
         assert summary[m]["last"] - summary[m]["first"] >= 0.3, summary
 
 
