@@ -18,12 +18,13 @@ from tests.hosts.deployment import HostDeployment
 from tests.hosts.netns import sweep_stale
 
 
-def deploy(tmp_path: Path, run_id: str, max_versions: int) -> HostDeployment:
-    """Hosts, TLS, /etc/chorus of each, the run's config (the fault config's short timeouts on the cluster) and the
-    three NATS nodes started; the services are started by the fault harness."""
+def deploy(tmp_path: Path, run_id: str, max_versions: int, concurrency: int = 8) -> HostDeployment:
+    """Hosts, TLS, /etc/chorus of each, the run's config (the fault config's short timeouts on the cluster;
+    ``concurrency`` tasks in flight) and the three NATS nodes started; the services are started by the fault
+    harness."""
     sweep_stale()  # what a killed earlier run left
     dep = HostDeployment(tmp_path, run_id).up()
-    dep.write_config(fault_config(tmp_path, run_id, max_versions=max_versions, replicas=3))
+    dep.write_config(fault_config(tmp_path, run_id, max_versions=max_versions, replicas=3, concurrency=concurrency))
     dep.start_nats()
     return dep
 

@@ -20,15 +20,19 @@ from tests.hosts.deployment import PLACEMENT
 
 pytestmark = [pytest.mark.chaos, pytest.mark.e2e]
 UNBOUNDED = 100_000  # train.max_versions while the chaos lasts; the end sets the real one
+# Tasks in flight (CHAOS_CONCURRENCY): chaos lasts its minutes however fast the run trains, so a run of two tasks at a
+# time (every agent's rollouts of each still in flight when a fault lands) costs a quarter of the tiny run's CPU.
+CONCURRENCY = int(os.environ.get("CHAOS_CONCURRENCY", "2"))
 
 
 async def test_continuous_chaos_keeps_every_invariant(tmp_path, run_id):
     minutes = float(os.environ.get("CHAOS_MINUTES", "30"))
     seed = int(os.environ.get("CHAOS_SEED") or random.SystemRandom().randrange(10**6))
     where = os.environ.get("CHAOS_DEPLOY", "hosts")
-    print(f"chaos: {minutes:g} minutes, seed {seed} (CHAOS_SEED={seed} repeats the draw), on {where}")
+    print(f"chaos: {minutes:g} minutes, seed {seed} (CHAOS_SEED={seed} repeats the draw), on {where}, "
+          f"{CONCURRENCY} tasks in flight")
     if where == "hosts":
-        hosts = deploy(tmp_path, run_id, UNBOUNDED)
+        hosts = deploy(tmp_path, run_id, UNBOUNDED, concurrency=CONCURRENCY)
         try:
             run = ChaosRun(tmp_path, run_id, hosts.broker, hosts.config, max_versions=UNBOUNDED, seed=seed,
                            rollouters=2, cluster=hosts, ledger_url=hosts.observer_url,
@@ -41,7 +45,7 @@ async def test_continuous_chaos_keeps_every_invariant(tmp_path, run_id):
         cluster = NatsCluster(tmp_path / "nats", 3).start()
         broker = Broker(cluster.nodes, cluster)
         try:
-            config = fault_config(tmp_path, run_id, max_versions=UNBOUNDED, replicas=3)
+            config = fault_config(tmp_path, run_id, max_versions=UNBOUNDED, replicas=3, concurrency=CONCURRENCY)
             run = ChaosRun(tmp_path, run_id, broker, config, max_versions=UNBOUNDED, seed=seed, rollouters=2)
             outcome, chaos = await run.run_chaos(minutes)
         finally:
