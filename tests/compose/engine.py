@@ -75,10 +75,13 @@ class Engine:
             _run("apt-get", "install", "-y", "--no-install-recommends", "docker.io", "iptables", "debootstrap",
                  timeout=900, env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
             self.seconds["install"] = time.monotonic() - t0
-        say("starting dockerd (overlay2); it is stopped again at the end")
+        self._start_daemon()
+
+    def _start_daemon(self) -> None:
+        say(f"starting dockerd (overlay2, data in {self.data_root}); it is stopped again at the end")
         log = open(self.work / "dockerd.log", "ab")  # noqa: SIM115 - closed with the daemon
-        self.dockerd = subprocess.Popen(["dockerd", "--storage-driver=overlay2"], stdout=log, stderr=log,
-                                        start_new_session=True)
+        self.dockerd = subprocess.Popen(["dockerd", "--storage-driver=overlay2", f"--data-root={self.data_root}"],
+                                        stdout=log, stderr=log, start_new_session=True)
         deadline = time.monotonic() + 60
         while not _docker_answers():
             if self.dockerd.poll() is not None or time.monotonic() > deadline:
@@ -143,17 +146,48 @@ class Engine:
         say(f"{TORCH_INDEX} does not answer: serving {torch.name} and its dependencies from this machine's pip at "
             f"http://127.0.0.1:{port}/simple (the build runs on the host's network)")
 
+    def storage_broken(self, output: str) -> str | None:
+        """The line of a failed build that blames the engine's storage rather than the Dockerfile, if one does."""
+        for line in output.splitlines():
+            # BuildKit's words for a layer of its cache that is gone from disk (a daemon killed mid-build)
+            if "failed to prepare" in line or ("/var/lib/docker/" in line and "no such file or directory" in line):
+                return line.strip()[:300]
+        return None
+
+    def prune_build_cache(self) -> None:
+        _run("docker", "builder", "prune", "-af", timeout=600)
+
+    @property
+    def data_root(self) -> Path:
+        """Where a daemon started here keeps its images: its own, so that it can be started afresh."""
+        return self.work / "docker"
+
+    def reset_storage(self) -> None:
+        """Start the daemon this session started on an empty data root, and build the base images again; an engine
+        it did not start is not touched (its owner is told what failed)."""
+        if self.dockerd is None:
+            raise RuntimeError("the running Docker engine's storage is broken (see the build's output above) and it "
+                               "was not started here: run `docker builder prune -af`, or remove the images it names")
+        self._stop_daemon()
+        shutil.rmtree(self.data_root, ignore_errors=True)
+        self._start_daemon()
+        self._base_images()
+
     def close(self) -> None:
         if self.index is not None:
             self.index.shutdown()
         if self.dockerd is not None:
             say("stopping the dockerd it started")
-            self.dockerd.terminate()
-            try:
-                self.dockerd.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.dockerd.kill()
-                self.dockerd.wait()
+            self._stop_daemon()
+
+    def _stop_daemon(self) -> None:
+        assert self.dockerd is not None
+        self.dockerd.terminate()
+        try:
+            self.dockerd.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.dockerd.kill()
+            self.dockerd.wait()
 
 
 def _quiet_handler(directory: str) -> type[http.server.SimpleHTTPRequestHandler]:
