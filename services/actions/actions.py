@@ -111,8 +111,9 @@ def code_deadline(requested: Any) -> float:
         raise ValueError(f"run_code 'timeout_s' must be a positive number of seconds, got {requested!r}")
     budget = time_budget_s.get()
     if budget is not None:
-        # Leave room to kill the child and answer before the pool's own timeout replaces the worker.
-        seconds = min(seconds, budget - max(0.05, min(0.5, 0.2 * budget)))
+        # Leave room to kill the child and answer before the pool's own timeout replaces the worker: a fifth of the
+        # budget, up to a second (on a loaded machine the kill and the answer can take more than half a second).
+        seconds = min(seconds, budget - max(0.05, min(1.0, 0.2 * budget)))
     return max(0.01, seconds)
 
 
