@@ -13,6 +13,7 @@ import struct
 import sys
 import time
 from collections import Counter, deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,7 @@ from services.actions.scheduler import FcfsScheduler
 
 HEADER = struct.Struct(">I")
 ROOT = Path(__file__).resolve().parents[2]
-START_TIMEOUT_S = 30.0
+START_TIMEOUT_S = 120.0  # a worker's imports (its preloads among them) on a loaded machine
 log = structlog.get_logger("actions.pool")
 
 
@@ -98,9 +99,10 @@ def percentile(sorted_values: list[float], q: float) -> float:
 class Worker:
     """One ``python -m services.actions.worker`` subprocess speaking length-prefixed msgpack."""
 
-    def __init__(self, memory_mb: int, python: str = sys.executable) -> None:
+    def __init__(self, memory_mb: int, python: str = sys.executable, preload: Sequence[str] = ()) -> None:
         self.memory_mb = memory_mb
         self.python = python
+        self.preload = tuple(preload)
         self.proc: asyncio.subprocess.Process | None = None
         self.pid: int | None = None
 
@@ -113,6 +115,7 @@ class Worker:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
         self.proc = await asyncio.create_subprocess_exec(
             self.python, "-m", "services.actions.worker", "--memory-mb", str(self.memory_mb),
+            *(a for m in self.preload for a in ("--preload", m)),
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, cwd=str(ROOT), env=env,
         )
         try:
@@ -271,7 +274,8 @@ class WorkerPool:
     """
 
     def __init__(self, size: int, memory_mb: int, python: str = sys.executable, policy: str = "elastic",
-                 depth: int = 2, malleable: bool = False, age_s: float = CHORUS.age_s) -> None:
+                 depth: int = 2, malleable: bool = False, age_s: float = CHORUS.age_s,
+                 preload: Sequence[str] = ()) -> None:
         if policy not in POLICIES:
             raise ValueError(f"scheduling policy {policy!r} is not one of {', '.join(POLICIES)}")
         self.policy = policy
@@ -283,7 +287,7 @@ class WorkerPool:
         self.scheduler = FcfsScheduler(size)
         # allocate-on-execution (ARL-Tangram §5.2): each action's process is bound to exactly the cores it holds
         self.cpu = CpuManager([local_node(size)])
-        self.workers = [Worker(memory_mb, python) for _ in range(size)]
+        self.workers = [Worker(memory_mb, python, preload) for _ in range(size)]
         self._idle = list(self.workers)
         self.counters: Counter[str] = Counter()
         self.profile = DurationProfile()

@@ -18,6 +18,9 @@ from shared.kernel.schemas import ActionRequest, ActionResult
 from shared.kernel.service import Service
 
 QUEUE_GROUP = "actions"
+# modules a task's grader imports that take seconds to import: every worker imports them before it is ready, so that
+# a fresh worker's first grade does not spend its time budget importing (and time out, on a loaded machine)
+PRELOAD: dict[str, tuple[str, ...]] = {"reasoning_gym": ("reasoning_gym",)}
 
 
 class ActionsService(Service):
@@ -42,7 +45,7 @@ class ActionsService(Service):
         else:
             self.log.info("code actions run in Linux namespaces", isolation=reason)
         self.pool = WorkerPool(acfg.cores, acfg.memory_mb, policy=acfg.scheduler, malleable=acfg.malleable,
-                               age_s=acfg.age_s)
+                               age_s=acfg.age_s, preload=PRELOAD.get(self.cfg.task.name, ()))
         await self.pool.start()
         self._inflight: set[asyncio.Task[None]] = set()
         self._sub = await self.nc.subscribe(

@@ -553,3 +553,16 @@ async def test_a_malleable_suite_out_of_time_fails_and_gives_every_core_back():
         assert bad.error is not None and "cases must be" in bad.error, bad
     finally:
         await pool.close()
+
+
+async def test_a_worker_imports_its_preloads_before_it_is_ready_and_a_missing_one_does_not_stop_it(tmp_path, monkeypatch):
+    mark = tmp_path / "mark"
+    monkeypatch.setenv("CHORUS_TEST_PRELOAD_MARK", str(mark))
+    pool = WorkerPool(1, 512, preload=("tests.unit.preload_marker", "no_such_module_here"))
+    await pool.start()
+    try:
+        assert mark.read_text() == str(pool.pids()[0])  # imported by the worker itself, before its ready frame
+        out = await pool.run("echo", {"v": 1}, 30)
+        assert out.error is None and out.result == {"v": 1}
+    finally:
+        await pool.close()
