@@ -94,7 +94,7 @@ test: venv
 	$(BIN)/pytest -q -p no:cacheprovider -n 2 --durations 8 --ignore=tests/unit --ignore=tests/integration
 
 # The runs kept out of make test's 20 minutes: `make long-runs` and five minutes of chaos on the five hosts (as root).
-# CI runs the two beside other targets.
+# CI runs it in its side lane, beside the main lane's targets.
 test-long: venv
 	$(MAKE) long-runs
 	$(MAKE) chaos MINUTES=5
