@@ -18,6 +18,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, ClassVar, TypeVar
 
 import nats.errors
@@ -584,9 +585,38 @@ def main_for(service: type[Service], argv: list[str] | None = None) -> None:
     sys.exit(code)
 
 
+class _CountingExecutor(ThreadPoolExecutor):
+    """The loop's default executor (``asyncio.to_thread``), counting the calls still running in it."""
+
+    def __init__(self) -> None:
+        super().__init__(thread_name_prefix="chorus-thread")
+        self._running = 0
+        self._lock = threading.Lock()
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        def counted() -> Any:
+            with self._lock:
+                self._running += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                with self._lock:
+                    self._running -= 1
+
+        return super().submit(counted)
+
+    @property
+    def running(self) -> int:
+        with self._lock:
+            return self._running
+
+
 async def _served(main: Awaitable[int]) -> int:
-    """``main``'s exit code; a task still running after it (one that swallowed its cancellation) ends the process
-    here, since the loop's own shutdown would wait for it for ever."""
+    """``main``'s exit code; a task still running after it (one that swallowed its cancellation), or a call of
+    the default executor still running (a teardown cut at the stop grace left it), ends the process here, since
+    the loop's own shutdown would wait for it (for ever, or past the supervisor's grace)."""
+    executor = _CountingExecutor()
+    asyncio.get_running_loop().set_default_executor(executor)
     code = await main
     others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
     for t in others:
@@ -599,6 +629,12 @@ async def _served(main: Awaitable[int]) -> int:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(code)
+    if executor.running:
+        structlog.get_logger().warning("a thread still works after the service stopped; exiting without it",
+                                       threads=executor.running)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     return code
 
 

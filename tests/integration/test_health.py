@@ -80,3 +80,29 @@ def test_health_fails_with_its_reason_on_an_unreachable_broker_and_imports_nothi
     imported = {line.split("|")[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")}
     assert "shared.launcher.deploy" in imported
     assert not {"torch", "transformers", "peft"} & imported  # a probe runs every few seconds in every container
+
+
+def test_a_service_whose_teardown_left_a_thread_working_exits_without_waiting_for_it(nats_url, run_id, tmp_path):
+    # the teardown is cut at the stop grace (2 s) with a call of the default executor still in its 600 s sleep: the
+    # process ends without it (the loop's shutdown would wait for it, past a supervisor's grace, to a SIGKILL)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"run: {{id: {run_id}, dir: {tmp_path / 'runs'}, stop_grace_s: 2}}\nmodels: {{a: {{}}}}\n"
+                   "agents: {solver: {model: a}, verifier: {model: a}}\n")
+    mark = tmp_path / "mark"
+    svc = subprocess.Popen([sys.executable, "-m", "tests.integration.lingering_thread_service", "--config", str(cfg),
+                            "--nats", nats_url], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           env={**os.environ, "PYTHONPATH": str(ROOT), "LINGER_MARK": str(mark)})
+    try:
+        deadline = time.monotonic() + 300
+        while not Path(str(mark) + ".ready").exists():
+            assert svc.poll() is None and time.monotonic() < deadline, svc.communicate()[0]
+            time.sleep(0.1)
+        svc.send_signal(signal.SIGTERM)
+        out, _ = svc.communicate(timeout=300)  # the sleep is 600 s: waiting for it fails here
+        assert svc.returncode == 0, out
+        assert "a thread still works after the service stopped; exiting without it" in out, out
+        assert not mark.exists()  # the call never ended: the process did not wait for it
+    finally:
+        if svc.poll() is None:
+            svc.kill()
+            svc.wait()
