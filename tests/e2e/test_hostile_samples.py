@@ -66,7 +66,7 @@ async def test_nan_reward_and_inf_advantage_go_to_the_dlq_and_the_rest_trains(na
     for subject in ("chorus.*.traj.*", "chorus.*.events.trainer", "chorus.*.dlq.*"):
         await nc.subscribe(subject, cb=on_msg)
     env = {**os.environ, "CHORUS_NATS__URL": nats_url}
-    proc = await asyncio.create_subprocess_exec(CHORUS, "up", str(cfg), "--timeout-s", "300", env=env,
+    proc = await asyncio.create_subprocess_exec(CHORUS, "up", str(cfg), "--timeout-s", "1100", env=env,
                                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     reader = asyncio.create_task(proc.communicate())
     try:

@@ -203,13 +203,18 @@ class Ledger:
         return total
 
     async def status(self, service: str, model: str | None = None, instance: str = "0") -> dict[str, Any]:
-        """A service instance's metrics snapshot from its status endpoint ({} when it does not answer)."""
+        """A service instance's metrics snapshot from its status endpoint ({} when it does not answer, or answers
+        without a snapshot: a service stopping or starting answers an empty error reply)."""
         assert self.nc is not None
         try:
             msg = await self.nc.request(self.names.status(service, model, instance), b"", timeout=5)
         except (nats.errors.Error, TimeoutError):
             return {}
-        return json.loads(msg.data)
+        try:
+            snapshot = json.loads(msg.data)
+        except ValueError:
+            return {}
+        return snapshot if isinstance(snapshot, dict) else {}
 
     async def paused_instances(self, instances: dict[str, list[str]]) -> list[str]:
         """Rollouter instances (``model -> instance names``) that say they are paused, or do not answer."""

@@ -77,7 +77,7 @@ async def test_a_killed_run_with_a_training_pool_resumes_from_its_last_commit(tm
 async def killed_and_resumed(tmp_path: Path, run_id: str, config: Path, services: int = 11) -> None:
     """`chorus up config` killed whole (``services`` service processes and more) at version KILL_AT of both models,
     then resumed to MAX_VERSIONS: the ledger's invariants, versions continuing from the last commit."""
-    first = subprocess.Popen([CHORUS, "up", str(config), "--timeout-s", "300"], stdout=subprocess.DEVNULL,
+    first = subprocess.Popen([CHORUS, "up", str(config), "--timeout-s", "3600"], stdout=subprocess.DEVNULL,
                              stderr=subprocess.STDOUT, start_new_session=True)
     ledgers: list[Ledger] = []
     try:
@@ -89,12 +89,12 @@ async def killed_and_resumed(tmp_path: Path, run_id: str, config: Path, services
             run_dir = found[-1].parent if found else None
             return run_dir is not None
 
-        await wait_for(started, 60, "run directory", first)
+        await wait_for(started, 600, "run directory", first)
         assert run_dir is not None
         cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
         full_id, url = cfg["run"]["id"], cfg["nats"]["url"]
         ledgers.append(await Ledger(full_id, MODELS, url).start())
-        await wait_for(lambda: _trained_at_least(ledgers[0], KILL_AT), 240, f"version {KILL_AT} on both models",
+        await wait_for(lambda: _trained_at_least(ledgers[0], KILL_AT), 1800, f"version {KILL_AT} on both models",
                        first)
         before = await ledgers[0].trained()
         assert first.poll() is None and max(before.values()) < MAX_VERSIONS, "the run finished before the kill"
@@ -105,7 +105,7 @@ async def killed_and_resumed(tmp_path: Path, run_id: str, config: Path, services
         assert killed >= services + 1  # chorus up, nats-server, the services
 
         resumed = await asyncio.create_subprocess_exec(
-            CHORUS, "up", "--resume", str(run_dir), "--timeout-s", "300",
+            CHORUS, "up", "--resume", str(run_dir), "--timeout-s", "3600",
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
         async def relisten() -> bool:
@@ -114,8 +114,8 @@ async def killed_and_resumed(tmp_path: Path, run_id: str, config: Path, services
             ledgers.append(await Ledger(full_id, MODELS, url2).start())
             return True
 
-        await wait_for(relisten, 60, "the resumed run's broker")
-        out, _ = await asyncio.wait_for(resumed.communicate(), 360)
+        await wait_for(relisten, 600, "the resumed run's broker")
+        out, _ = await asyncio.wait_for(resumed.communicate(), 3600)
         text = out.decode(errors="replace")
         assert resumed.returncode == 0, text[-3000:]
         assert "resuming run" in text
