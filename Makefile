@@ -69,7 +69,7 @@ test-vllm: venv-vllm
 
 # DeepSpeed as a trainer backend (models.<m>.trainer.backend: deepspeed): the deepspeed extra in .venv (with the CPU
 # torch it pulls no CUDA library, which the dependency check proves). `make test-deepspeed` runs the tests marked
-# deepspeed (ZeRO-1/2/3 against the torch learner, a run with a 2-rank group, its ranks killed).
+# deepspeed (ZeRO-1/2/3 against the torch learner, a run with a 2-rank group, its ranks killed), two at a time.
 # A stamp: a second `make test-deepspeed` installs nothing (a reinstall of the editable project while other tests
 # start processes from this venv would pull it from under them).
 DEEPSPEED_STAMP := $(VENV)/.chorus-deepspeed
@@ -81,7 +81,7 @@ $(DEEPSPEED_STAMP): $(STAMP)
 	touch $@
 
 test-deepspeed: venv-deepspeed
-	$(BIN)/pytest -q -p no:cacheprovider -m deepspeed --timeout 900 --durations 8
+	$(BIN)/pytest -q -p no:cacheprovider -n 2 -m deepspeed --timeout 900 --durations 8
 
 demo: venv
 	$(BIN)/chorus up $(CONFIG)
