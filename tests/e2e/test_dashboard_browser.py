@@ -121,12 +121,13 @@ def test_the_dashboard_shows_a_live_run_and_then_the_finished_one_from_its_run_d
             "no turn shows its advantage"
         shot = screenshot(driver, "dashboard-live.png")
         # a point of the reward curve links to the episodes of its version: one of the versions that have a sampled
-        # episode of the curve's model (one task in logging.samples_every is sampled: not every version has one)
+        # episode of the curve's model (one task in logging.samples_every is sampled: not every version has one), the
+        # newest of them (an older one's episodes may leave the page's latest MAX_EPISODES while a slow browser looks)
         version = js(driver, """const s = charts.reward.series[0];
             const sampled = new Set(S.episodes.flatMap(e => e.turns.filter(t => t.model === s.model).map(t => t.version)));
             const have = s.points.filter(p => sampled.has(p[0]));
             if (!have.length) return null;
-            const p = have[Math.max(0, have.length - 6)];
+            const p = have[have.length - 1];  // the newest: the page keeps the latest episodes, and a run goes on
             const r = charts.reward.canvas.getBoundingClientRect();
             charts.reward.canvas.dispatchEvent(new MouseEvent('click', {clientX: r.left + charts.reward.X(p[0]),
                 clientY: r.top + charts.reward.Y(p[1]), bubbles: true}));
