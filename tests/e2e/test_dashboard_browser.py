@@ -124,7 +124,8 @@ def test_the_dashboard_shows_a_live_run_and_then_the_finished_one_from_its_run_d
         # episode of the curve's model (one task in logging.samples_every is sampled: not every version has one), the
         # newest of them (an older one's episodes may leave the page's latest MAX_EPISODES while a slow browser looks)
         version = js(driver, """const s = charts.reward.series[0];
-            const sampled = new Set(S.episodes.flatMap(e => e.turns.filter(t => t.model === s.model).map(t => t.version)));
+            const shown = S.episodes.filter(e => keep(e, true));  // under the page's other filters (training only)
+            const sampled = new Set(shown.flatMap(e => e.turns.filter(t => t.model === s.model).map(t => t.version)));
             const have = s.points.filter(p => sampled.has(p[0]));
             if (!have.length) return null;
             const p = have[have.length - 1];  // the newest: the page keeps the latest episodes, and a run goes on
@@ -148,7 +149,7 @@ def test_the_dashboard_shows_a_live_run_and_then_the_finished_one_from_its_run_d
         assert len(nearest) == 1 and nearest[0] < 100000, nearest  # the newest version sampled: none above it
         js(driver, "document.querySelector('#episodes a.nearest').click()")
         wait_js(driver, f"""const e = [...document.querySelectorAll('.episode')].map(e => e.innerText);
-            return e.length && e.every(t => t.includes('version {nearest[0]}\n')) ? e : null""",
+            return e.length && e.every(t => t.includes('version {nearest[0]}\\n')) ? e : null""",
                 f"the episodes of version {nearest[0]}, the nearest offered")
         # filter by agent and by reward
         js(driver, "const s = document.getElementById('f-version'); s.value = ''; s.dispatchEvent(new Event('input'));"

@@ -292,7 +292,7 @@ function noEpisodeOfVersion(v) {
 function renderEpisodes() {
   const box = $("episodes");
   box.textContent = "";
-  const kept = S.episodes.filter(keep);
+  const kept = S.episodes.filter((ep) => keep(ep));
   $("ep-count").textContent = `(${kept.length} of the latest ${S.episodes.length} sampled episodes match; newest first)`;
   if (!kept.length && filter.version !== null) { box.appendChild(noEpisodeOfVersion(filter.version)); return; }
   if (!kept.length) { box.appendChild(text("div", "empty", "no episode matches (episodes are sampled every logging.samples_every tasks)")); return; }
