@@ -579,10 +579,15 @@ def main_for(service: type[Service], argv: list[str] | None = None) -> None:
     if (served and served[-1].start_interrupted) or busy:
         # a thread still works (a model loading when the signal came, a step in a worker): the interpreter would
         # wait for it at exit; the service is stopped, so it goes with the process
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        _exit_now(code)
     sys.exit(code)
+
+
+def _exit_now(code: int) -> None:
+    """End the process with ``code`` without waiting for what still runs in it (its output flushed first)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 class _CountingExecutor(ThreadPoolExecutor):
@@ -626,15 +631,11 @@ async def _served(main: Awaitable[int]) -> int:
         if pending:
             structlog.get_logger().error("tasks did not end after the service stopped; exiting without them",
                                          tasks=sorted(t.get_name() for t in pending))
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
+            _exit_now(code)
     if executor.running:
         structlog.get_logger().warning("a thread still works after the service stopped; exiting without it",
                                        threads=executor.running)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        _exit_now(code)
     return code
 
 

@@ -31,24 +31,22 @@ def engine() -> Iterator[Engine]:
 def built(engine: Engine, tmp_path_factory: pytest.TempPathFactory) -> float:
     """`docker compose build` of the image, timed (layers the engine already holds are reused)."""
     stack = Stack(engine, tmp_path_factory.mktemp("build"))
-    try:
-        seconds = stack.timed("build", timeout=3600)
-    except AssertionError as e:
-        if not engine.storage_broken(str(e)):
-            raise
-        # a daemon killed in the middle of a build leaves cache records whose layers are gone: the build fails on
-        # them however often it runs. Dropping the build cache (images stay) and building again is Docker's remedy
-        say(f"the build failed on the engine's own storage ({engine.storage_broken(str(e))}): docker builder prune -af,"
-            " then building again")
-        engine.prune_build_cache()
+    # a daemon killed in the middle of a build leaves cache records whose layers are gone: the build fails on them
+    # however often it runs. Docker's remedies, in order: drop the build cache (images stay); then, where the images'
+    # layers themselves are gone, a daemon on an empty data root and the base images again
+    remedies = [("docker builder prune -af, then building again", engine.prune_build_cache),
+                ("a daemon on an empty data root, the base images again", engine.reset_storage)]
+    while True:
         try:
             seconds = stack.timed("build", timeout=3600)
-        except AssertionError as again:
-            if not engine.storage_broken(str(again)):
+            break
+        except AssertionError as e:
+            broken = engine.storage_broken(str(e))
+            if broken is None or not remedies:
                 raise
-            say("the layers of the images themselves are gone: a daemon on an empty data root, the base images again")
-            engine.reset_storage()
-            seconds = stack.timed("build", timeout=3600)
+            what, remedy = remedies.pop(0)
+            say(f"the build failed on the engine's own storage ({broken}): {what}")
+            remedy()
     # the image the services run, with every dependency of the project importable in it
     probe = subprocess.run(["docker", "run", "--rm", "--entrypoint", "python", IMAGE, "-c", IMPORTS],
                            capture_output=True, text=True, timeout=300)
