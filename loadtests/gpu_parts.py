@@ -47,6 +47,11 @@ CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n
           "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 
+def figure(x: float, digits: int = 3) -> float:
+    """A measured figure kept to its significant digits (a slow CPU's 0.004 GB/s is not 0.0)."""
+    return float(f"{x:.{digits}g}")
+
+
 def sync(device: Any) -> None:
     import torch
 
@@ -330,8 +335,8 @@ def part_swap(a: argparse.Namespace) -> dict[str, Any]:
     same_step = step_diff == 0.0
     gb = header.nbytes / 1e9
     out: dict[str, Any] = {
-        "state_gb": round(gb, 3), "export_s": round(export_s, 4), "export_gb_s": round(gb / export_s, 2),
-        "import_s": round(import_s, 4), "import_gb_s": round(gb / import_s, 2),
+        "state_gb": figure(gb), "export_s": figure(export_s), "export_gb_s": figure(gb / export_s),
+        "import_s": figure(import_s), "import_gb_s": figure(gb / import_s),
         "state_identical": same_state, "next_step_identical": same_step, "next_step_max_abs_diff": step_diff,
         "errors": [] if same_state and same_step else [
             f"the swapped learner is not the original (deterministic kernels on): state identical {same_state}, "
@@ -344,7 +349,7 @@ def part_swap(a: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(a.device)
     tensors = bsd.state_tensors(a.swap_b, device)
     raw_gb = sum(t.numel() * t.element_size() for t in tensors) / 1e9
-    out["raw"] = {"params_b": a.swap_b, "state_gb": round(raw_gb, 3)}
+    out["raw"] = {"params_b": a.swap_b, "state_gb": figure(raw_gb)}
     for pinned in (True, False) if device.type == "cuda" else (False,):
         host = "pinned" if pinned else "pageable"
         try:
@@ -353,8 +358,8 @@ def part_swap(a: argparse.Namespace) -> dict[str, Any]:
             out["errors"].append(f"raw copies into {host} memory: {type(exc).__name__}: {exc}")
             continue
         for layout, (off, on) in measured.items():
-            out["raw"][f"{host} {layout}"] = {"offload_s": round(off, 4), "offload_gb_s": round(raw_gb / off, 2),
-                                              "onload_s": round(on, 4), "onload_gb_s": round(raw_gb / on, 2)}
+            out["raw"][f"{host} {layout}"] = {"offload_s": figure(off), "offload_gb_s": figure(raw_gb / off),
+                                              "onload_s": figure(on), "onload_gb_s": figure(raw_gb / on)}
             print(f"raw {raw_gb:.2f} GB {host} {layout}: offload {off:.3f} s ({raw_gb / off:.1f} GB/s), onload "
                   f"{on:.3f} s ({raw_gb / on:.1f} GB/s)", flush=True)
     return out
