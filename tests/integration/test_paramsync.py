@@ -287,9 +287,13 @@ async def test_a_restarted_paramsync_aborts_the_sync_it_left_half_done(nats_url:
         assert rollouter.batcher.paused  # nobody resumes it...
         ps = ParamSyncService(cfg, nats_url=nats_url, model=MODEL)
         ps_task = await serve(ps, "queue")
+
+        async def aborted() -> bool:  # the last step of the abort, which the paramsync's setup runs
+            return json.loads((await kv.get(names.sync_key(MODEL))).value)["phase"] == "aborted"
+
+        await wait_until(aborted, "the half-done sync aborted", interval_s=0.1)
         assert not rollouter.batcher.paused  # ...until a paramsync starts: it aborted the half-done sync
         assert ps.counters["aborted_syncs"] == 1
-        assert json.loads((await kv.get(names.sync_key(MODEL))).value)["phase"] == "aborted"
         assert (await generate(Setup(cfg, names, nc, [rollouter], ps))).error is None
     finally:
         for svc in [s for s in (rollouter, ps) if s is not None]:
