@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import json
 import math
+import threading
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ SAFE_MATH = types.SimpleNamespace(isclose=math.isclose, isnan=math.isnan, isinf=
 STRUCTURAL = (ast.BoolOp, ast.BinOp, ast.UnaryOp, ast.Compare, ast.IfExp, ast.List, ast.Tuple, ast.Set,
               ast.Dict)
 COMPREHENSIONS = (ast.GeneratorExp, ast.ListComp, ast.SetComp)
+_AST_LOCK = threading.Lock()
 
 # --- tests -> steps for the sandbox, checks for here -------------------------------------------------------
 @dataclass
@@ -121,6 +123,14 @@ def _probe_call(first: int) -> Callable[[int], ast.expr]:
 
 
 def plan_tests(tests: str) -> Plan:
+    """Split ``tests`` into the steps the sandbox runs and the checks evaluated here (one per top-level
+    assert). One thread at a time: CPython 3.11's AST conversion keeps its recursion depth in the interpreter's
+    state, so two threads parsing at once can fail with "AST constructor recursion depth mismatch"."""
+    with _AST_LOCK:
+        return _plan_tests(tests)
+
+
+def _plan_tests(tests: str) -> Plan:
     """Split ``tests`` into the steps the sandbox runs and the checks evaluated here (one per top-level
     assert)."""
     try:
