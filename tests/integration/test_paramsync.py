@@ -15,6 +15,7 @@ import nats
 import pytest
 import torch
 from nats.aio.client import Client as NATS
+from nats.js.errors import KeyNotFoundError
 
 from services.coordinator.tasks import make_task
 from services.coordinator.workflows.api import GenResult as CoordGen
@@ -252,14 +253,17 @@ async def test_a_lost_announce_is_synced_from_the_commit_point(setup: Setup) -> 
                           checksum=header.checksum, nbytes=header.nbytes)
     kv = await s.nc.jetstream().key_value(s.names.kv_bucket)
     await kv.put(s.names.weights_key(MODEL), encode(ann))
-    async def served_7() -> bool:
-        return await kv_get_int(kv, s.names.version_key(MODEL)) == 7
+    async def synced_7() -> bool:  # the sync's last step: its phase recorded done, after the version is served
+        try:
+            state = json.loads((await kv.get(s.names.sync_key(MODEL))).value)
+        except KeyNotFoundError:
+            return False
+        return state["phase"] == "done" and state.get("version") == 7
 
-    await wait_until(served_7, "v7 served", interval_s=0.1)
+    await wait_until(synced_7, "v7 synced", interval_s=0.1)
     assert await kv_get_int(kv, s.names.version_key(MODEL)) == 7
     assert all(r.engine.version == 7 for r in s.rollouters)
     assert s.paramsync.counters["polled_commits"] >= 1 and s.paramsync.counters["announces"] == 0
-    assert json.loads((await kv.get(s.names.sync_key(MODEL))).value)["phase"] == "done"
 
 
 async def test_a_restarted_paramsync_aborts_the_sync_it_left_half_done(nats_url: str, run_id: str,
