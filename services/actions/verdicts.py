@@ -131,8 +131,6 @@ def plan_tests(tests: str) -> Plan:
 
 
 def _plan_tests(tests: str) -> Plan:
-    """Split ``tests`` into the steps the sandbox runs and the checks evaluated here (one per top-level
-    assert)."""
     try:
         body = ast.parse(tests, "<tests>").body
     except SyntaxError as exc:

@@ -36,11 +36,14 @@ def small_run_config(tmp_path: Path, run_id: str, sections: dict[str, dict[str, 
     return path
 
 
+UP_BACKSTOP_S = 1100  # the least --timeout-s an e2e `chorus up` gets: below pytest's own 1200 s limit
+
+
 async def chorus_up(config: Path, nats_url: str, timeout_s: int) -> tuple[int | None, str]:
     """`chorus up <config>` against the test's broker, the way a user starts it: its exit code and output. A run
     ends at its max_versions; ``timeout_s`` is only a backstop, and a loaded machine gets 1100 s at least (below
     pytest's own 1200 s limit) rather than a window that blames the run for the machine's speed."""
-    proc = await asyncio.create_subprocess_exec(CHORUS, "up", str(config), "--timeout-s", str(max(timeout_s, 1100)),
+    proc = await asyncio.create_subprocess_exec(CHORUS, "up", str(config), "--timeout-s", str(max(timeout_s, UP_BACKSTOP_S)),
                                                 env={**os.environ, "CHORUS_NATS__URL": nats_url},
                                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     out, _ = await proc.communicate()

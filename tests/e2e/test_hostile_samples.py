@@ -17,7 +17,7 @@ from shared.kernel.codec import decode, encode
 from shared.kernel.schemas import MicroBatch, Sample, WeightsAnnounce
 from shared.kernel.subjects import Names
 from shared.models.weights import unpack
-from tests.e2e.conftest import small_run_config
+from tests.e2e.conftest import UP_BACKSTOP_S, small_run_config
 
 CHORUS = str(Path(sys.executable).parent / "chorus")
 MODELS = ["solver_lm", "verifier_lm"]
@@ -66,7 +66,7 @@ async def test_nan_reward_and_inf_advantage_go_to_the_dlq_and_the_rest_trains(na
     for subject in ("chorus.*.traj.*", "chorus.*.events.trainer", "chorus.*.dlq.*"):
         await nc.subscribe(subject, cb=on_msg)
     env = {**os.environ, "CHORUS_NATS__URL": nats_url}
-    proc = await asyncio.create_subprocess_exec(CHORUS, "up", str(cfg), "--timeout-s", "1100", env=env,
+    proc = await asyncio.create_subprocess_exec(CHORUS, "up", str(cfg), "--timeout-s", str(UP_BACKSTOP_S), env=env,
                                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     reader = asyncio.create_task(proc.communicate())
     try:

@@ -16,6 +16,7 @@ import pytest
 import torch
 from nats.aio.client import Client as NATS
 from nats.js.errors import KeyNotFoundError
+from nats.js.kv import KeyValue
 
 from services.coordinator.tasks import make_task
 from services.coordinator.workflows.api import GenResult as CoordGen
@@ -59,6 +60,15 @@ def write_config(tmp_path: Path, run_id: str, *, lora: bool = False) -> ChorusCo
         "metrics_interval_s: 0.5\n"
     )
     return load_config(p)
+
+
+async def sync_phase_is(kv: KeyValue, names: Names, phase: str, version: int | None = None) -> bool:
+    """Whether the model's sync state (KV) records ``phase`` (and ``version``, when given)."""
+    try:
+        state = json.loads((await kv.get(names.sync_key(MODEL))).value)
+    except KeyNotFoundError:
+        return False
+    return state.get("phase") == phase and (version is None or state.get("version") == version)
 
 
 async def serve(svc: Service, ready: str) -> asyncio.Task[int]:
@@ -253,14 +263,8 @@ async def test_a_lost_announce_is_synced_from_the_commit_point(setup: Setup) -> 
                           checksum=header.checksum, nbytes=header.nbytes)
     kv = await s.nc.jetstream().key_value(s.names.kv_bucket)
     await kv.put(s.names.weights_key(MODEL), encode(ann))
-    async def synced_7() -> bool:  # the sync's last step: its phase recorded done, after the version is served
-        try:
-            state = json.loads((await kv.get(s.names.sync_key(MODEL))).value)
-        except KeyNotFoundError:
-            return False
-        return state["phase"] == "done" and state.get("version") == 7
-
-    await wait_until(synced_7, "v7 synced", interval_s=0.1)
+    # the sync's last step: its phase recorded done, after the version is served
+    await wait_until(lambda: sync_phase_is(kv, s.names, "done", 7), "v7 synced", interval_s=0.1)
     assert await kv_get_int(kv, s.names.version_key(MODEL)) == 7
     assert all(r.engine.version == 7 for r in s.rollouters)
     assert s.paramsync.counters["polled_commits"] >= 1 and s.paramsync.counters["announces"] == 0
@@ -291,11 +295,8 @@ async def test_a_restarted_paramsync_aborts_the_sync_it_left_half_done(nats_url:
         assert rollouter.batcher.paused  # nobody resumes it...
         ps = ParamSyncService(cfg, nats_url=nats_url, model=MODEL)
         ps_task = await serve(ps, "queue")
-
-        async def aborted() -> bool:  # the last step of the abort, which the paramsync's setup runs
-            return json.loads((await kv.get(names.sync_key(MODEL))).value)["phase"] == "aborted"
-
-        await wait_until(aborted, "the half-done sync aborted", interval_s=0.1)
+        # the last step of the abort, which the paramsync's setup runs
+        await wait_until(lambda: sync_phase_is(kv, names, "aborted"), "the half-done sync aborted", interval_s=0.1)
         assert not rollouter.batcher.paused  # ...until a paramsync starts: it aborted the half-done sync
         assert ps.counters["aborted_syncs"] == 1
         assert (await generate(Setup(cfg, names, nc, [rollouter], ps))).error is None
