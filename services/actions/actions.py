@@ -167,16 +167,21 @@ def humaneval_program(response: str, prompt: str, entry_point: str) -> str:
 
 @register("check_humaneval")
 def check_humaneval(payload: dict[str, Any]) -> dict[str, Any]:
-    """Payload ``{"response", "prompt", "entry_point", "test", "timeout_s"?}`` -> ``run_code``'s result: the
-    program, the problem's ``check`` function, then one test, ``check(entry_point)`` returning cleanly."""
+    """Payload ``{"response", "prompt", "entry_point", "test", "timeout_s"?}`` -> ``run_code``'s result with one
+    test, ``check(candidate)`` returning cleanly: the program (:func:`humaneval_program`) runs in the code's
+    process; the problem's prompt (its helpers, such as ``poly``), its ``check`` and every comparison run in the
+    tests' process, where ``candidate`` is the program's ``entry_point`` seen through the sandbox's channel."""
     response, prompt = payload.get("response"), payload.get("prompt")
     entry_point, test = payload.get("entry_point"), payload.get("test")
     if not all(isinstance(v, str) for v in (response, prompt, entry_point, test)):
         raise ValueError("check_humaneval needs string 'response', 'prompt', 'entry_point' and 'test'")
     assert isinstance(response, str) and isinstance(prompt, str) and isinstance(entry_point, str)
-    tests = f"{test}\n\nassert check({entry_point}) is None\n"
+    if not entry_point.isidentifier():
+        raise ValueError(f"check_humaneval: entry_point must be a Python name, got {entry_point!r:.60}")
+    # the prompt's stub of entry_point is the candidate too (a test may call it by name, as HumanEval/33 does)
+    tests = f"{prompt}\n\n{test}\n\n{entry_point} = candidate\nassert check(candidate) is None\n"
     return run_code_in_child(humaneval_program(response, prompt, entry_point), tests,
-                             code_deadline(payload.get("timeout_s")))
+                             code_deadline(payload.get("timeout_s")), bind={"candidate": entry_point})
 
 
 @register("compute_score")

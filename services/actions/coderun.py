@@ -1,16 +1,16 @@
-"""Run untrusted code against assert tests in a sandbox, and compute every verdict where the code cannot reach.
+"""Run untrusted code against assert tests in a sandbox, with every verdict made where the code cannot reach.
 
-Each top-level ``assert`` of the tests is one test; other top-level statements are setup. An assert is split
-here: its trusted shape (constants, displays, operators, a few pure builtins) stays in this process, and each
-maximal part that needs the code (a name, a call, an attribute...) becomes a *probe*. Only the code, the setup
-statements and the probes' source enter the sandbox, never an expected value. The sandbox reports each probe's
-value as plain builtin data; it is decoded here and put back into the assert, which is evaluated with the
-whitelisted builtins only. Partial credit is tests_passed / tests_total; a timeout or a crash keeps the tests
-that finished.
+Each top-level ``assert`` of the tests is one test; other top-level statements are setup. A run has two processes:
+the code's, which runs the code and then only answers requests, and the tests', which runs the tests. The tests
+read the code's top-level names as handles: calling one sends the arguments to the code's process as plain data
+and brings the answer back as plain data (or a handle, for an object that is not data), so the code never sees an
+expected value, a test's frame or the reporting pipe, and an object of the code is never compared in the tests'
+process by its own ``__eq__``. Partial credit is tests_passed / tests_total; a timeout or a crash keeps the
+tests that finished.
 
-The sandbox is a set of Linux namespaces with its own root, pids and network and a uid of its own
-(``sandbox_init``, docs/sandbox.md). Where namespaces do not work, :func:`isolation` says why (loudly, once)
-and the code runs in a forked child of the worker: limits, but no isolation.
+The sandbox is a set of Linux namespaces with its own root, pids and network, and a uid of its own for each of
+the two processes (``sandbox_init``, docs/sandbox.md). Where namespaces do not work, :func:`isolation` says why
+(loudly, once) and the two processes are forked children of the worker: limits, but no isolation.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from typing import Any
 
 import structlog
 
-from services.actions.sandbox_init import ERROR_LIMIT, LINE_LIMIT, RESULT_FD, run_steps, unisolated_child
+from services.actions.sandbox_init import ERROR_LIMIT, LINE_LIMIT, exit_text, run_pair, unisolated_child
 from services.actions.verdicts import STDOUT_LIMIT, Plan, Report, plan_tests, result
 
 RESULT_LIMIT = 8 << 20  # bytes of reports read from one run
@@ -90,25 +90,29 @@ def _collect(res_r: int, out_r: int, deadline: float, report: Report,
 
 
 def _status(wait_status: int) -> str:
-    if os.WIFSIGNALED(wait_status):
-        sig = os.WTERMSIG(wait_status)
-        try:
-            name = signal.Signals(sig).name
-        except ValueError:
-            name = f"signal {sig}"
-        hint = " (CPU time limit)" if sig == signal.SIGXCPU else ""
-        return f"the code process was killed by {name}{hint} before finishing"
-    return f"the code process exited with status {os.WEXITSTATUS(wait_status)} before finishing"
+    return f"the tests' process {exit_text(wait_status)} before finishing"
+
+
+def _memfd(data: bytes) -> int:
+    fd = os.memfd_create("chorus-sandbox", os.MFD_CLOEXEC)
+    while data:
+        data = data[os.write(fd, data):]
+    return fd
+
+
+def _tests_config(plan: Plan) -> bytes:
+    """What only the tests' process reads: the steps and the names it binds from the code."""
+    return marshal.dumps({"steps": [list(s) for s in plan.steps], "bind": plan.bind})
 
 
 # --- in namespaces -------------------------------------------------------------------------------------------
 def _run_isolated(code: str, plan: Plan, timeout_s: float, limits: Limits) -> dict[str, Any]:
-    """Run in fresh namespaces: PID 1 (sandbox_init) builds the root and forks the runner, which reports on
-    the result pipe; the run is over when that pipe closes (PID 1 is gone) or at the deadline."""
+    """Run in fresh namespaces: PID 1 (sandbox_init) builds the root and forks the run, whose tests' process
+    reports on the result pipe; the run is over when that pipe closes or at the deadline."""
     root = os.geteuid() == 0  # else a user namespace, where the runner drops its capabilities instead of uid 0
     prefix = os.path.realpath(sys.base_prefix)
     config = marshal.dumps({
-        "code": code, "steps": plan.steps, "scratch_mb": limits.scratch_mb,
+        "code": code, "scratch_mb": limits.scratch_mb,
         "uid_base": UID_BASE if root else None,
         "limits": {"cpu_s": math.ceil(timeout_s) + 1, "memory_mb": limits.memory_mb,
                    "processes": limits.processes, "file_bytes": limits.file_bytes,
@@ -116,11 +120,9 @@ def _run_isolated(code: str, plan: Plan, timeout_s: float, limits: Limits) -> di
         "env": {"PATH": f"{prefix}/bin:/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp",
                 "LANG": "C.UTF-8"},
     })
-    cfg = os.memfd_create("chorus-sandbox", os.MFD_CLOEXEC)
-    while config:
-        config = config[os.write(cfg, config):]
+    cfg, tests = _memfd(config), _memfd(_tests_config(plan))
     (res_r, res_w), (out_r, out_w), (life_r, life_w) = os.pipe(), os.pipe(), os.pipe()
-    inner = (cfg, res_w, out_w, life_r)
+    inner = (cfg, tests, res_w, out_w, life_r)
     user = [] if root else ["--user", "--map-root-user"]
     try:
         proc = subprocess.Popen(
@@ -168,7 +170,7 @@ def _reap_sandbox(proc: subprocess.Popen[bytes]) -> str:
         if isinstance(said, dict) and type(said.get("status")) is int:
             return _status(said["status"])
         if isinstance(said, dict) and said.get("lifeline"):
-            return "the code process closed its result pipe before finishing"
+            return "the tests' process closed its result pipe before finishing"
         if isinstance(said, dict) and isinstance(said.get("error"), str):
             return said["error"][:ERROR_LIMIT]
     return f"the sandbox exited with status {proc.returncode}: {text.strip()[-300:] or 'no output'}"
@@ -195,6 +197,7 @@ def isolation() -> tuple[str, str]:
 # --- unisolated fallback: a forked child of the worker ------------------------------------------------------
 def _run_forked(code: str, plan: Plan, timeout_s: float, limits: Limits) -> dict[str, Any]:
     scratch = tempfile.mkdtemp(prefix="chorus-code-")
+    tests = _memfd(_tests_config(plan))
     (res_r, res_w), (out_r, out_w) = os.pipe(), os.pipe()
     parent = os.getpid()
     pid = os.fork()
@@ -203,12 +206,13 @@ def _run_forked(code: str, plan: Plan, timeout_s: float, limits: Limits) -> dict
             os.close(res_r)
             os.close(out_r)
             unisolated_child(scratch, res_w, out_w, parent, math.ceil(timeout_s) + 1, limits.file_bytes)
-            run_steps(code, [list(s) for s in plan.steps], RESULT_FD)
+            run_pair(code, tests, res_w, lambda which: None)
         except BaseException:
             os._exit(70)
         os._exit(0)
     os.close(res_w)
     os.close(out_w)
+    os.close(tests)
     report = Report(plan)
     try:
         stdout, timed_out = _collect(res_r, out_r, time.monotonic() + timeout_s, report, stop_at_final=True)
@@ -224,8 +228,10 @@ def _run_forked(code: str, plan: Plan, timeout_s: float, limits: Limits) -> dict
     return result(report, stdout, timed_out, _status(status), timeout_s)
 
 
-def run_code(code: str, tests: str, timeout_s: float, limits: Limits = LIMITS) -> dict[str, Any]:
-    """Run ``code`` then each top-level assert of ``tests``; partial credit is tests_passed / tests_total."""
-    plan = plan_tests(tests)
+def run_code(code: str, tests: str, timeout_s: float, limits: Limits = LIMITS,
+             bind: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run ``code`` then each top-level assert of ``tests``; partial credit is tests_passed / tests_total.
+    ``bind`` names the code's top-level names the tests see (default: each name they read and do not bind)."""
+    plan = plan_tests(tests, bind)
     run = _run_isolated if isolation()[0] == "namespaces" else _run_forked
     return run(code, plan, timeout_s, limits)

@@ -17,6 +17,7 @@ import pytest
 
 from services.actions import coderun
 from services.actions.actions import run_code
+from services.actions.sandbox_init import TESTS_UID_OFFSET
 
 TESTS = "assert add(2, 3) == 5\nassert add(-1, 1) == 0\n"
 GOOD_ADD = "def add(a, b):\n    return a + b\n"
@@ -79,7 +80,7 @@ def _sandbox_processes(settle_s: float = 3.0) -> list[int]:
                 continue
             if uid < coderun.UID_BASE:
                 continue
-            owner = uid - coderun.UID_BASE
+            owner = (uid - coderun.UID_BASE) % TESTS_UID_OFFSET  # the code's or the tests' process of a sandbox
             if os.path.exists(f"/proc/{owner}") and not _ours(owner):
                 continue  # another worker's sandbox, still running
             pids.append(int(name))
@@ -95,30 +96,48 @@ def test_this_host_runs_code_in_namespaces():
 
 def test_walking_the_harness_frames_and_objects_forges_no_verdict():
     code = """
-import gc, sys
+import gc, os, sys
 
 def add(a, b):
-    # Look for the expected value and for whatever writes reports, everywhere the process can see.
-    wanted, found, sent = int("".join(["9182", "73645"])), [], False
+    # Look for the expected value everywhere the process can see, and write passing reports wherever it can.
+    wanted, found, sent = int("".join(["9182", "73645"])), [], 0
     frame = sys._getframe(1)
     while frame is not None:
         for scope in (frame.f_locals, frame.f_globals):
             found += [k for k, v in list(scope.items()) if v == wanted or str(wanted) in str(v)]
-            send = scope.get("send")
-            if callable(send):  # the old way: write passing reports with the harness's own function
-                for i in range(4):
-                    send(3, {"event": "test", "ok": True, "i": i})
-                    send(3, {"event": "probe", "i": i, "value": True})
-                sent = True
         frame = frame.f_back
     found += [repr(o)[:50] for o in gc.get_objects() if o == wanted or str(wanted) in str(o)]
-    print("found", found, "sent", sent)
+    for fd in range(0, 12):
+        for line in (b'{"event": "test", "i": 0, "error": null}\\n', b'{"value": %d}\\n' % (wanted - 1)):
+            try:
+                sent += os.write(fd, line) > 0
+            except OSError:
+                pass
+    print("found", found, "sent", sent > 0)
     return None
 """
     out = run(code, "assert add(900000000, 18273645) == 918273645\nassert add(1, 2) == 3\n")
     assert out["tests_passed"] == 0 and out["passed"] is False
-    # The expected value never entered the sandbox (the harness's sender was there, and was used).
-    assert out["stdout"] == "found [] sent True\n" * 2
+    # The expected value never entered the code's process, and what it wrote reached no verdict.
+    assert "found [] sent True\n" in out["stdout"]
+
+
+def test_the_code_cannot_read_an_expected_value_the_tests_computed():
+    """A setup statement's value and a test's locals live in the tests' process: the code finds neither."""
+    code = """
+import sys
+def add(a, b):
+    frame, seen = sys._getframe(), []
+    while frame is not None:
+        seen.append(frame.f_locals.get("expected", frame.f_globals.get("expected")))
+        frame = frame.f_back
+    return next((v for v in seen if v is not None), None)
+"""
+    tests = ("expected = 4 + 913\nassert add(1, 2) == expected\n"
+             "def check(candidate):\n    for wanted in (5, 6):\n        assert candidate(wanted, 0) == wanted\n"
+             "assert check(add) is None\n")
+    out = run(code, tests)
+    assert out["tests_passed"] == 0, out
 
 
 def test_an_object_equal_to_everything_passes_nothing():
@@ -138,7 +157,7 @@ def add(a, b):
 """
     out = run(code)
     assert out["tests_passed"] == 0
-    assert out["error"] == "unserialisable value of type Anything in `assert add(2, 3) == 5`"
+    assert out["error"] == "AssertionError in `assert add(2, 3) == 5`"  # a handle equals nothing but itself
 
 
 def test_the_code_cannot_signal_a_host_process():
