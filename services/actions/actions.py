@@ -11,7 +11,7 @@ from typing import Any
 
 from services.actions import rewardfn
 from services.actions.coderun import run_code as run_code_in_child
-from shared.rlmath import gsm8k, rgym
+from shared.rlmath import gsm8k, mathverify, rgym
 from shared.rlmath.mathanswer import extract_answer, math_equal
 
 Action = Callable[[dict[str, Any]], dict[str, Any]]
@@ -52,21 +52,23 @@ def near_miss(answer: str, expected: str) -> float:
     return 0.5 * max(0.0, 1.0 - distance / NEAR_MISS_SCALE) if distance else 0.0
 
 
-def score_answer(expected: str, response: str, finished: bool = True) -> dict[str, Any]:
+def score_answer(expected: str, response: str, finished: bool = True, partial_credit: bool = False) -> dict[str, Any]:
     """Reward of one answer on a 0-1 scale, from the integer the response starts with.
 
-    1.0 when that integer equals the expected one; a wrong integer earns partial credit for being close,
-    ``0.5 * max(0, 1 - |got - expected| / 10)``; no leading integer earns 0. A non-integer ``expected``
-    is scored by exact text. ``finished`` (stopped on EOS) is reported, not scored: trailing text after the
-    number costs nothing, so a model that has the number right is never pushed away from it.
+    1.0 when that integer equals the expected one, else 0; with ``partial_credit`` (shaping a config asks for by
+    name, ``reward.partial_credit``) a wrong integer earns ``0.5 * max(0, 1 - |got - expected| / 10)``. A
+    non-integer ``expected`` is scored by exact text. ``finished`` (stopped on EOS) is reported, not scored:
+    trailing text after the number costs nothing, so a model that has the number right is never pushed away.
     """
     text = response.strip()
     expected = expected.strip()
     answer = leading_number(text)
     if _LEADING_INT.fullmatch(expected) is None:
         reward = 1.0 if text == expected else 0.0
+    elif answer and int(answer) == int(expected):
+        reward = 1.0
     else:
-        reward = 1.0 if answer and int(answer) == int(expected) else near_miss(answer, expected)
+        reward = near_miss(answer, expected) if partial_credit else 0.0
     return {"reward": reward, "correct": reward == 1.0, "answer": answer, "finished": bool(finished)}
 
 
@@ -83,22 +85,34 @@ def expected_and_response(kind: str, payload: dict[str, Any]) -> tuple[str, str]
 
 @register("check_answer")
 def check_answer(payload: dict[str, Any]) -> dict[str, Any]:
-    """Payload ``{"expected", "response", "finished"}`` -> ``{"reward", "correct", "answer", "finished"}``."""
+    """Payload ``{"expected", "response", "finished", "partial_credit"?}`` -> ``{"reward", "correct", "answer",
+    "finished"}``."""
     expected, response = expected_and_response("check_answer", payload)
-    return score_answer(expected, response, bool(payload.get("finished", False)))
+    return score_answer(expected, response, bool(payload.get("finished", False)),
+                        payload.get("partial_credit") is True)
 
 
 @register("check_math")
 def check_math(payload: dict[str, Any]) -> dict[str, Any]:
-    """Payload ``{"expected", "response"}`` -> ``{"reward", "correct", "answer"}`` from the response's final answer.
+    """Payload ``{"expected", "response", "partial_credit"?}`` -> ``{"reward", "correct", "answer", "judged"}``.
 
-    1.0 when it equals the expected answer; a wrong whole number close to a whole-number answer earns the same
-    partial credit as ``check_answer``."""
+    A whole-number answer is judged exactly, on the response's final answer (``shared.rlmath.mathanswer``). Any
+    other is judged by value: a plain number first, then math-verify (LaTeX, fractions, radicals, sets,
+    intervals, ``\\boxed{}``) within its own timeout, kept inside the action's time budget; out of time it is
+    wrong (``"judged": "timeout"``). 1.0 when equal, else 0; with ``partial_credit`` a wrong whole number close
+    to a whole-number answer earns ``check_answer``'s shaping."""
     expected, response = expected_and_response("check_math", payload)
-    answer = extract_answer(response)
-    correct = math_equal(answer, expected)
-    return {"reward": 1.0 if correct else near_miss(answer or "", expected.strip()), "correct": correct,
-            "answer": answer or ""}
+    answer = extract_answer(response) or ""
+    correct: bool | None = math_equal(answer, expected)
+    judged = "number"
+    if not correct and not mathverify.is_integer(expected):
+        budget = time_budget_s.get()
+        limit = mathverify.TIMEOUT_S if budget is None else max(1, min(mathverify.TIMEOUT_S, int(budget / 3)))
+        correct, read = mathverify.equivalent(expected, response, limit)
+        judged = "math-verify" if correct is not None else "timeout"
+        answer = read or answer
+    reward = 1.0 if correct else near_miss(answer, expected.strip()) if payload.get("partial_credit") is True else 0.0
+    return {"reward": reward, "correct": bool(correct), "answer": answer, "judged": judged}
 
 
 def code_deadline(requested: Any) -> float:

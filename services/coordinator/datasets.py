@@ -27,6 +27,23 @@ INSTRUCTIONS = {  # task.instruction's defaults, appended to the question
     "verl": "",
 }
 GSM8K_SOURCE = "openai/gsm8k"  # verl's data_source of GSM8K rows: scored by check_gsm8k
+# verl's default reward routing (verl.utils.reward_score.default_compute_score), by data_source: GSM8K exact on its
+# final number, the MATH-style sources by math equivalence (math-verify behind check_math, where verl's default is
+# its own string normaliser); any other source needs the user's reward.function (verl raises NotImplementedError).
+VERL_MATH_SOURCES = frozenset({
+    "lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500", "math_dapo",
+    "numina_aops_forum", "numina_synthetic_math", "numina_amc_aime", "numina_synthetic_amc", "numina_cn_k12",
+    "numina_olympiads"})
+UNGRADED = ""  # Task.check of a row whose data_source has no built-in grader
+
+
+def verl_grader(source: str) -> str:
+    """The action that scores a verl row of ``source`` as verl's default reward would; UNGRADED for none."""
+    if source == GSM8K_SOURCE:
+        return "check_gsm8k"
+    if source in VERL_MATH_SOURCES or source.startswith("aime"):
+        return "check_math"
+    return UNGRADED
 
 
 def instruction(cfg: TaskConfig) -> str:
@@ -126,17 +143,40 @@ def verl_tasks(cfg: TaskConfig) -> list[Task]:
         truth = rm.get("ground_truth") if isinstance(rm, dict) else None
         if truth is None or isinstance(truth, bool):
             raise ValueError(f"{where}: reward_model.ground_truth is missing")
-        answer = truth if isinstance(truth, str) else json.dumps(truth)
+        # the text a built-in grader compares with; a reward function gets the ground truth as the row has it
+        answer = truth if isinstance(truth, str) else str(truth) if isinstance(truth, int | float) else json.dumps(
+            truth)
         source = str(row.get("data_source") or "verl")
         if source == GSM8K_SOURCE and isinstance(truth, str) and "####" in truth:
             answer = gsm8k.reference_answer(truth)
-        check = "check_gsm8k" if source == GSM8K_SOURCE else "check_math"
+        check = verl_grader(source)
+        if check and not isinstance(truth, str | int | float):
+            check = UNGRADED  # a list or dict of answers: only the user's function knows how to compare
         extra = row.get("extra_info")
-        meta = {"data_source": source, "extra_info": extra if isinstance(extra, dict) else None}
+        meta = {"data_source": source, "extra_info": extra if isinstance(extra, dict) else None,
+                "ground_truth": truth}
         out.append(_task(f"{path.stem}-{i}", _ask(verl_question(row["prompt"], where), cfg), answer, check, meta))
     if not out:
         raise ValueError(f"{path}: no rows")
     return out
+
+
+def ungraded(tasks: list[Task]) -> str | None:
+    """Why verl rows cannot be scored without ``reward.function``: the data_sources that have no built-in grader,
+    with how many rows each; None when every row has one."""
+    missing: dict[str, int] = {}
+    for t in tasks:
+        if t.check == UNGRADED:
+            key = str(t.meta.get("data_source"))
+            if not isinstance(t.meta.get("ground_truth"), str | int | float):
+                key += " (ground truth not one answer)"
+            missing[key] = missing.get(key, 0) + 1
+    if not missing:
+        return None
+    listed = ", ".join(f"{source!r} ({n} rows)" for source, n in sorted(missing.items()))
+    return (f"no built-in grader for data_source {listed}: verl scores 'openai/gsm8k' by its final number and the "
+            f"MATH-style sources (lighteval/MATH, math_dapo, aime*, numina_*) by math equivalence; set "
+            f"reward.function to your compute_score for the others (docs/data.md#verl-datasets)")
 
 
 # --- reasoning-gym -----------------------------------------------------------------------------------------

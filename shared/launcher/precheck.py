@@ -61,6 +61,20 @@ def task_problems(cfg: ChorusConfig) -> list[str]:
     return out
 
 
+def grader_problems(cfg: ChorusConfig) -> list[str]:
+    """Every verl row has a grader: a built-in one for its data_source (verl's default routing), or the user's
+    ``reward.function`` (or a judge) for all of them; never a silent default."""
+    if cfg.task.name != "verl" or cfg.reward.function is not None or cfg.reward.judge is not None:
+        return []
+    from services.coordinator.datasets import ungraded, verl_tasks
+
+    try:
+        why = ungraded(verl_tasks(cfg.task))
+    except Exception:  # noqa: BLE001 - an unreadable file is task_problems' to report
+        return []
+    return [f"task.path: {why}"] if why else []
+
+
 def function_problems(cfg: ChorusConfig) -> list[str]:
     """The custom workflow function and the reward function, imported from their files."""
     from services.actions.rewardfn import load
@@ -125,5 +139,5 @@ def memory_problems(cfg: ChorusConfig) -> list[str]:
 
 def problems(cfg: ChorusConfig) -> list[str]:
     """Every problem of a loaded config, each naming its key and path; empty when the run can start."""
-    return (model_problems(cfg) + task_problems(cfg) + function_problems(cfg) + loss_problems(cfg)
-            + credential_problems(cfg) + memory_problems(cfg))
+    return (model_problems(cfg) + task_problems(cfg) + grader_problems(cfg) + function_problems(cfg)
+            + loss_problems(cfg) + credential_problems(cfg) + memory_problems(cfg))

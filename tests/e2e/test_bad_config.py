@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -81,6 +82,22 @@ def test_chorus_check_names_every_problem_of_a_config(tmp_path: Path) -> None:
     good = write_config(tmp_path)
     code, out = chorus("check", str(good), cwd=tmp_path)
     assert code == 0 and ": ok (2 model(s)" in out, out
+
+
+def test_chorus_check_refuses_verl_rows_whose_data_source_has_no_grader(tmp_path: Path) -> None:
+    rows = [{"data_source": source, "prompt": [{"role": "user", "content": f"q{i}"}],
+             "reward_model": {"ground_truth": "1"}} for i, source in enumerate(["lighteval/MATH", "my/puzzles"] * 4)]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = write_config(tmp_path, task={"name": "verl", "path": "rows.jsonl", "heldout": 2})
+    code, out = chorus("check", str(cfg), cwd=tmp_path)
+    flat = " ".join(out.split())
+    assert code == 2 and "task.path: no built-in grader for data_source 'my/puzzles' (4 rows)" in flat, out
+    (tmp_path / "reward.py").write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                                        "    return 1.0\n")
+    with_fn = write_config(tmp_path, task={"name": "verl", "path": "rows.jsonl", "heldout": 2},
+                           reward={"function": "reward.py:compute_score"})
+    code, out = chorus("check", str(with_fn), cwd=tmp_path)
+    assert code == 0, out
 
 
 def test_a_relative_task_path_is_read_beside_the_config_file(tmp_path: Path) -> None:

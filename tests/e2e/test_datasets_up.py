@@ -1,5 +1,6 @@
-"""Tiny `chorus up` runs on a reasoning-gym dataset and on a verl parquet file with the user's compute_score: the
-rewards the run records are the dataset's own score_answer / what compute_score returned on the same responses,
+"""Tiny `chorus up` runs on a reasoning-gym dataset, on HumanEval and on a verl parquet file with the user's
+compute_score: the rewards the run records are the dataset's own score_answer / the sandboxed HumanEval grader's
+verdict / what compute_score returned on the same responses,
 and a reward function that raises or returns NaN costs only its samples (counted), not the run."""
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import pyarrow.parquet as pq
 import yaml
 from reasoning_gym.utils import extract_answer
 
+from services.actions.actions import REGISTRY
+from services.coordinator import datasets
 from shared.kernel.codec import decode
 from shared.kernel.schemas import Sample
 from shared.models.tokenizer import ByteTokenizer
@@ -25,13 +28,13 @@ VERSIONS = 3
 
 
 def _config(tmp_path: Path, run_id: str, task: dict[str, Any], reward: dict[str, Any] | None = None,
-            group_size: int = 8) -> Path:
+            group_size: int = 8, max_position: int = 1024, max_new_tokens: int = 4) -> Path:
     path = small_run_config(tmp_path, run_id, max_versions=VERSIONS, global_batch=16, micro_batch=16)
     cfg = yaml.safe_load(path.read_text())
     for m in cfg["models"].values():
-        m["arch"]["max_position"] = 1024  # the datasets' questions are longer than arithmetic's
+        m["arch"]["max_position"] = max_position  # the datasets' questions are longer than arithmetic's
     cfg["task"] = task
-    cfg["workflow"].update({"group_size": group_size, "concurrency": 4, "max_new_tokens": 4})
+    cfg["workflow"].update({"group_size": group_size, "concurrency": 4, "max_new_tokens": max_new_tokens})
     if reward:
         cfg["reward"] = reward
     path.write_text(yaml.safe_dump(cfg))
@@ -81,6 +84,26 @@ async def test_reasoning_gym_run_records_the_datasets_own_score_answer(nats_url,
         response = tok.decode(s.response_ids.tolist())
         assert s.reward == ds.score_answer(extract_answer(response), ds[index]), (s.sample_id, response)
     assert {round(s.reward, 6) for s in samples} & {0.01}, text[-2000:]
+
+
+async def test_humaneval_run_scores_every_reply_in_the_sandbox_through_the_coordinator(nats_url, run_id, tmp_path):
+    path = _config(tmp_path, run_id, {"name": "humaneval", "heldout": 4}, max_position=2048, max_new_tokens=24)
+    samples, coordinator, text = await _run(path, nats_url, run_id)
+    assert f"{VERSIONS}/{VERSIONS}" in text, text[-2000:]
+    assert _counter(coordinator, "samples_dropped_reward_error") == 0, coordinator
+    problems = {p["task_id"].replace("/", "-"): p for p in datasets.humaneval_problems()}
+    tok = ByteTokenizer()
+    checked = 0
+    for s in samples:  # the reward is check_humaneval's verdict on the same reply, run again here
+        problem = problems[s.episode.split("/")[0]]
+        response = tok.decode(s.response_ids.tolist())
+        out = REGISTRY["check_humaneval"]({"response": response, "prompt": problem["prompt"],
+                                           "entry_point": problem["entry_point"], "test": problem["test"]})
+        assert s.reward == out["reward"], (s.sample_id, response, out)
+        checked += 1
+        if checked == 24:  # a sandbox run each: enough to tie the run's rewards to the grader
+            break
+    assert checked == min(24, len(samples))
 
 
 REWARD = '''

@@ -103,11 +103,13 @@ def test_scheduler_never_overcommits_and_serves_everyone_in_order(needs: list[in
         ("", True, 0.0, ""),
     ],
 )
-def test_check_answer_gives_partial_credit_for_near_numbers(response: str, finished: bool, reward: float,
-                                                             answer: str):
-    out = check_answer({"expected": "7", "response": response, "finished": finished})
+def test_check_answer_gives_partial_credit_for_near_numbers_when_asked(response: str, finished: bool, reward: float,
+                                                                       answer: str):
+    out = check_answer({"expected": "7", "response": response, "finished": finished, "partial_credit": True})
     assert out["reward"] == pytest.approx(reward)
     assert (out["correct"], out["answer"], out["finished"]) == (reward == 1.0, answer, finished)
+    plain = check_answer({"expected": "7", "response": response, "finished": finished})  # off by default
+    assert plain["reward"] == (1.0 if reward == 1.0 else 0.0) and plain["answer"] == answer
 
 
 def test_non_integer_answers_are_scored_by_exact_text():
@@ -126,8 +128,9 @@ def test_score_is_bounded_and_correct_only_at_one(expected: str, response: str, 
 
 @given(st.integers(-50, 50), st.integers(-50, 50))
 def test_closer_numbers_never_score_lower(expected: int, got: int):
-    near = score_answer(str(expected), str(got))["reward"]
-    nearer = score_answer(str(expected), str(got + (1 if got < expected else -1 if got > expected else 0)))
+    near = score_answer(str(expected), str(got), partial_credit=True)["reward"]
+    nearer = score_answer(str(expected), str(got + (1 if got < expected else -1 if got > expected else 0)),
+                          partial_credit=True)
     assert nearer["reward"] >= near
 
 
@@ -346,14 +349,48 @@ async def test_bad_run_code_payloads_are_errors(pool: WorkerPool, payload: dict,
 )
 def test_check_math_uses_the_final_answer(response: str, expected: str, correct: bool, answer: str):
     out = check_math({"expected": expected, "response": response})
-    # A near miss (8 for 7) earns check_answer's partial credit 0.5 * (1 - 1/10); 20 away earns none.
-    reward = 1.0 if correct else 0.45 if answer == "8" else 0.0
-    assert out == {"reward": pytest.approx(reward), "correct": correct, "answer": answer}
+    assert out == {"reward": 1.0 if correct else 0.0, "correct": correct, "answer": answer, "judged": "number"}
+    # Asked for by name, a near miss (8 for 7) earns check_answer's partial credit 0.5 * (1 - 1/10); 20 away none.
+    shaped = check_math({"expected": expected, "response": response, "partial_credit": True})
+    assert shaped["reward"] == pytest.approx(1.0 if correct else 0.45 if answer == "8" else 0.0)
+
+
+# math-verify's own kinds of answer (its README and tests): fractions, radicals, sets, intervals, \boxed{}, units,
+# expressions; each judged by value against a differently written reference.
+@pytest.mark.parametrize(
+    ("expected", "response", "correct"),
+    [
+        ("\\frac{1}{2}", "The answer is $\\boxed{0.5}$", True),
+        ("0.5", "so we get $\\boxed{\\frac{1}{2}}$", True),
+        ("\\frac{\\sqrt{3}}{2}", "$\\boxed{\\frac{\\sqrt3}{2}}$", True),
+        ("2\\sqrt{2}", "Hence $\\boxed{\\sqrt{8}}$.", True),
+        ("\\{1,3\\} \\cup \\{2,4\\}", "$\\boxed{\\{1,2,3,4\\}}$", True),
+        ("(0,1]", "the interval $\\boxed{(0,1]}$", True),
+        ("(0,1]", "the interval $\\boxed{[0,1]}$", False),
+        ("x^2+2x+1", "$\\boxed{(x+1)^2}$", True),
+        ("\\pi/2", "$\\boxed{\\frac{\\pi}{2}}$", True),
+        ("\\frac{1}{3}", "$\\boxed{0.33}$", False),
+        ("\\frac{2}{3}", "$\\boxed{\\frac{3}{2}}$", False),
+    ],
+)
+def test_check_math_judges_latex_answers_by_value_with_math_verify(expected: str, response: str, correct: bool):
+    out = check_math({"expected": expected, "response": response, "partial_credit": True})
+    assert out["correct"] is correct and out["reward"] == (1.0 if correct else 0.0), out
+    assert out["judged"] in ("number", "math-verify")
+
+
+def test_whole_numbers_are_judged_exactly_without_math_verify():
+    # 7.0000001 is not 7, whatever a tolerance would say; math-verify is not asked (judged: number)
+    assert check_math({"expected": "7", "response": "$\\boxed{7.0000001}$"}) == {
+        "reward": 0.0, "correct": False, "answer": "7.0000001", "judged": "number"}
+    assert check_math({"expected": "7", "response": "$\\boxed{\\frac{14}{2}}$"})["correct"] is True
 
 
 async def test_check_math_runs_in_the_pool_and_rejects_bad_fields(pool: WorkerPool):
     ok = await pool.run("check_math", {"expected": "72", "response": "#### 72"}, 5)
-    assert ok.result == {"reward": 1.0, "correct": True, "answer": "72"}
+    assert ok.result == {"reward": 1.0, "correct": True, "answer": "72", "judged": "number"}
+    latex = await pool.run("check_math", {"expected": "\\frac{1}{2}", "response": "$\\boxed{0.5}$"}, 30)
+    assert latex.result is not None and latex.result["correct"] is True, latex
     bad = await pool.run("check_math", {"expected": 72, "response": "72"}, 5)
     assert bad.error is not None and "check_math needs string 'expected'" in bad.error
 

@@ -54,6 +54,7 @@ def config(workflow: dict[str, Any], agents: dict[str, str], group_size: int = 3
                    for a, m in agents.items()},
         "workflow": {"group_size": group_size, "max_new_tokens": 8, **workflow},
         "train": {"global_batch": group_size * 4, **sections.pop("train", {})},
+        "reward": {"partial_credit": True, **sections.pop("reward", {})},  # the shipped arithmetic configs' shaping
         **sections,
     }
     return ChorusConfig(**yaml.safe_load(yaml.safe_dump(data)))
@@ -254,7 +255,7 @@ async def test_tree_sampling_makes_one_group_of_g_candidates_per_step_for_every_
                                                                                   turn["agent_input"]))}
         texts = [TOK.decode(s.response_ids.tolist()) for s in members]
         # Each candidate earned the check of its own text; the best one ("7") is what the workflow went on with.
-        assert [s.reward for s in members] == [score_answer("7", t)["reward"] for t in texts]
+        assert [s.reward for s in members] == [score_answer("7", t, partial_credit=True)["reward"] for t in texts]
         assert texts == ["5", "7", "9"] and turn["agent_output"] == "7"
     # Every prompt a step generated for went out G times in one request.
     assert all(len(c["texts"]) % G == 0 for c in policy.calls)

@@ -15,6 +15,7 @@ from services.coordinator import datasets
 from services.coordinator.tasks import TaskSource, heldout_tasks
 from services.coordinator.workflows.episode import to_episode
 from shared.kernel.config import RewardSection, TaskConfig
+from shared.launcher import precheck
 from shared.rlmath import gsm8k, rgym
 
 
@@ -150,6 +151,74 @@ def test_verl_parquet_rows_become_tasks(tmp_path):
     with pytest.raises(ValueError, match="ground_truth"):
         jsonl.write_text(json.dumps({"prompt": [{"role": "user", "content": "x"}]}))
         datasets.verl_tasks(TaskConfig(name="verl", path=jsonl))
+
+
+AGENTS = {"solver": {"model": "m"}, "verifier": {"model": "m"}}
+
+
+def _routing_rows() -> list[dict]:
+    def row(source: str, truth: object, question: str) -> dict:
+        return {"data_source": source, "ability": "math", "prompt": [{"role": "user", "content": question}],
+                "reward_model": {"style": "rule", "ground_truth": truth}, "extra_info": {"q": question}}
+
+    return [row("lighteval/MATH", "\\frac{1}{2}", "half?"), row("HuggingFaceH4/MATH-500", "(0,1]", "interval?"),
+            row("aime_2024", "2\\sqrt{2}", "root?"), row("openai/gsm8k", "#### 1,000", "thousand?"),
+            row("openai/gsm8k", 72, "int?")]
+
+
+def test_verl_rows_are_scored_as_verl_routes_their_data_source(tmp_path):
+    from services.coordinator.workflows.scoring import check_request
+    from shared.kernel.config import ChorusConfig
+
+    path = tmp_path / "math.parquet"
+    pq.write_table(pa.Table.from_pylist(_routing_rows()[:4]), path)  # one column type: the int row goes as JSON
+    cfg = ChorusConfig(run={"id": "r"}, models={"m": {}}, agents=AGENTS, task={"name": "verl", "path": str(path)})
+    jsonl = tmp_path / "int.jsonl"
+    jsonl.write_text(json.dumps(_routing_rows()[4]))
+    tasks = datasets.verl_tasks(cfg.task) + datasets.verl_tasks(TaskConfig(name="verl", path=jsonl))
+    assert [t.check for t in tasks] == ["check_math"] * 3 + ["check_gsm8k"] * 2
+    assert [t.answer for t in tasks][3:] == ["1000", "72"]
+
+    def reward(task, response: str) -> float:
+        kind, payload = check_request(cfg, task, response, True)
+        return REGISTRY[kind](payload)["reward"]
+
+    # MATH-style rows by math equivalence: the same value written another way earns 1
+    assert [reward(tasks[0], r) for r in ("$\\boxed{0.5}$", "$\\boxed{\\frac{2}{4}}$", "$\\boxed{0.4}$")] == [1, 1, 0]
+    assert [reward(tasks[1], r) for r in ("$\\boxed{(0, 1]}$", "$\\boxed{[0,1]}$")] == [1, 0]
+    assert [reward(tasks[2], r) for r in ("$\\boxed{\\sqrt{8}}$", "$\\boxed{2.83}$")] == [1, 0]
+    # GSM8K rows exactly, on the final number: no partial credit, no tolerance
+    assert [reward(tasks[3], r) for r in ("so #### 1,000", "#### 1000.0", "#### 999", "#### 1000.5")] == [1, 1, 0, 0]
+    assert [reward(tasks[4], r) for r in ("#### 72", "#### 71")] == [1, 0]
+    assert precheck.grader_problems(cfg) == []
+
+
+def test_an_unknown_data_source_without_a_reward_function_is_refused(tmp_path):
+    from shared.kernel.config import ChorusConfig
+
+    rows = _routing_rows() + [{**_routing_rows()[0], "data_source": "my/puzzles"},
+                              {**_routing_rows()[1], "data_source": "lighteval/MATH",
+                               "reward_model": {"style": "rule", "ground_truth": ["1", "one"]}}]
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    base = {"run": {"id": "r"}, "models": {"m": {}}, "agents": AGENTS,
+            "task": {"name": "verl", "path": str(path)}}
+    problems = precheck.grader_problems(ChorusConfig(**base))
+    assert len(problems) == 1 and problems[0].startswith("task.path: no built-in grader for data_source ")
+    assert "'my/puzzles' (1 rows)" in problems[0] and "ground truth not one answer" in problems[0]
+    assert "reward.function" in problems[0]
+    reward = tmp_path / "reward.py"
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return float(isinstance(ground_truth, list))\n")
+    with_fn = ChorusConfig(**{**base, "reward": {"function": f"{reward}:compute_score"}})
+    assert precheck.grader_problems(with_fn) == []
+    # the user's function gets the ground truth as the row has it: a list stays a list
+    from services.coordinator.workflows.scoring import check_request
+
+    listed = datasets.verl_tasks(with_fn.task)[-1]
+    kind, payload = check_request(with_fn, listed, "x", True)
+    assert kind == "compute_score" and payload["ground_truth"] == ["1", "one"]
+    assert REGISTRY[kind](payload)["reward"] == 1.0
 
 
 def _payload(fn_file, name="compute_score", **kw):

@@ -25,6 +25,7 @@ agents:
   verifier: {{model: m_verify, prompt: "V:", adapter: checker}}
 workflow: {{group_size: {group_size}, max_new_tokens: 3, temperature: 0.7}}
 train: {{global_batch: {group_size * 2}}}
+reward: {{partial_credit: true}}
 """
     return ChorusConfig(**yaml.safe_load(text))
 

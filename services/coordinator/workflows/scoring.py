@@ -40,15 +40,21 @@ DROP_ON_ERROR = frozenset({REWARD_FUNCTION})  # actions whose failed row drops t
 def check_request(cfg: ChorusConfig, task: Task, text: str, finished: bool) -> tuple[str, dict[str, Any]]:
     """The action and payload that score ``text`` as an answer to ``task`` (code tasks with ``tests``: see
     :func:`run_code`)."""
-    if cfg.reward.function is not None:
-        meta = getattr(task, "meta", None) or {}
+    meta = getattr(task, "meta", None) or {}
+    if cfg.reward.function is not None:  # the ground truth as the row has it (a list stays a list)
         return REWARD_FUNCTION, {"function": cfg.reward.function,
                                  "data_source": meta.get("data_source", cfg.task.name), "solution_str": text,
-                                 "ground_truth": task.answer, "extra_info": meta.get("extra_info")}
-    payload = {"expected": task.answer, "response": text, "finished": bool(finished)}
+                                 "ground_truth": meta.get("ground_truth", task.answer),
+                                 "extra_info": meta.get("extra_info")}
+    payload: dict[str, Any] = {"expected": task.answer, "response": text, "finished": bool(finished)}
+    if cfg.reward.partial_credit:
+        payload["partial_credit"] = True
     own = getattr(task, "check", None)
+    if own == "":  # datasets.UNGRADED: `chorus check` refuses such a dataset without reward.function
+        raise ValueError(f"task {task.task_id}: data_source {meta.get('data_source')!r} has no built-in grader; set "
+                         "reward.function")
     if own is not None:
-        return own, {**(getattr(task, "meta", None) or {}), **payload}
+        return own, {**{k: v for k, v in meta.items() if k != "ground_truth"}, **payload}
     return answer_check(cfg.task), payload
 
 

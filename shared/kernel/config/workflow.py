@@ -165,6 +165,9 @@ class RewardSection(Section):
     # compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict; it replaces the
     # task's own check and runs in the actions workers (docs/data.md).
     function: str | None = None
+    # Shaping, asked for by name: a wrong whole number close to a whole-number answer earns
+    # 0.5 * max(0, 1 - |got - expected| / 10) from check_answer and check_math (0 without it).
+    partial_credit: bool = False
 
     @model_validator(mode="before")
     @classmethod
