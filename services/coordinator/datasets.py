@@ -181,6 +181,7 @@ def ungraded(tasks: list[Task]) -> str | None:
 
 # --- reasoning-gym -----------------------------------------------------------------------------------------
 def rg_task(cfg: TaskConfig, seed: int, index: int, task_id: str) -> Task:
+    """Item ``index`` of the reasoning-gym dataset of ``seed`` (a :func:`rgym.split_seed`)."""
     assert cfg.dataset is not None  # checked by TaskConfig
     item = rgym.entry(cfg.dataset, cfg.dataset_config, seed, cfg.size, index)
     meta = {"dataset": cfg.dataset, "config": cfg.dataset_config, "seed": seed, "size": cfg.size, "index": index,
@@ -188,8 +189,25 @@ def rg_task(cfg: TaskConfig, seed: int, index: int, task_id: str) -> Task:
     return _task(task_id, _ask(item["question"], cfg), str(item["answer"]), "score_reasoning_gym", meta)
 
 
+HELDOUT_DRAWS = 20  # draws per held-out item asked for, at most, before a task's question space is called too small
+
+
 def rg_heldout(cfg: TaskConfig, n: int, seed: int) -> list[Task]:
-    return [rg_task(cfg, seed + rgym.HELDOUT_SEED_OFFSET, i, f"heldout-{i}") for i in range(min(n, cfg.size))]
+    """``n`` held-out items of distinct questions, from the held-out seed of run seed ``seed``; ValueError when the
+    dataset cannot give that many (its question space is smaller than the held-out set asked for)."""
+    held, questions = [], set()
+    rg_seed = rgym.split_seed(seed, "heldout")
+    draws = min(cfg.size, HELDOUT_DRAWS * n)
+    for i in range(draws):
+        task = rg_task(cfg, rg_seed, i, f"heldout-{len(held)}")
+        if task.question not in questions:
+            questions.add(task.question)
+            held.append(task)
+            if len(held) == n:
+                return held
+    raise ValueError(f"reasoning_gym {cfg.dataset} {cfg.dataset_config or {}}: only {len(held)} distinct questions "
+                     f"in {draws} draws, fewer than the {n} held-out ones asked for: its question space is too "
+                     f"small for that (ask for fewer, or make the dataset's config harder)")
 
 
 # --- splits ------------------------------------------------------------------------------------------------
@@ -226,6 +244,7 @@ def dataset_split(cfg: TaskConfig, split: str, seed: int = 0) -> list[Task]:
     if cfg.name == "reasoning_gym":
         if split == "test":
             return rg_heldout(cfg, cfg.heldout or 100, seed)
-        return [rg_task(cfg, seed, i, f"train-{i}") for i in range(cfg.size)]
+        rg_seed = rgym.split_seed(seed, "train")
+        return [rg_task(cfg, rg_seed, i, f"train-{i}") for i in range(cfg.size)]
     train, held = split_pool(cfg, cfg.heldout, seed)
     return held if split == "test" else train

@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from services.coordinator import datasets
 from shared.kernel.config import TaskConfig
+from shared.rlmath import rgym
 
 MAX_DRAWS = 10_000  # draws without a new question before a task space counts as exhausted
 
@@ -309,6 +310,7 @@ class TaskSource:
         self._held: set[str] = set()
         self.seed = seed
         self._rg_index = -1  # reasoning_gym: the last dataset index drawn
+        self._rg_seed = rgym.split_seed(seed, "train") if cfg.name == "reasoning_gym" else 0
         if cfg.name == "jsonl":
             self._pool = _split_jsonl(cfg, cfg.heldout)[0]
         elif cfg.name in datasets.DATASETS and cfg.name != "reasoning_gym":
@@ -324,7 +326,7 @@ class TaskSource:
         if self.cfg.name == "reasoning_gym":  # item n of the run seed's dataset, skipping held-out questions
             for _ in range(MAX_DRAWS):
                 self._rg_index += 1
-                task = datasets.rg_task(self.cfg, self.seed, self._rg_index % self.cfg.size, task_id)
+                task = datasets.rg_task(self.cfg, self._rg_seed, self._rg_index % self.cfg.size, task_id)
                 if task.question not in self._held:
                     return task
             raise ValueError(f"reasoning_gym {self.cfg.dataset}: {MAX_DRAWS} items in a row are held-out questions")

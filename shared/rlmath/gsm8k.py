@@ -11,8 +11,10 @@ from __future__ import annotations
 import re
 from decimal import Decimal, InvalidOperation
 
-# A number: optional sign and $, digits with optional thousands commas, optional decimals (or a bare ".5").
-_NUMBER = r"-?\$?\s?(?:\d[\d,]*(?:\.\d+)?|\.\d+)"
+# A number: optional sign and $, digits with thousands commas only in groups of three ("1,000"; "1,2,3" is a list of
+# three numbers), optional decimals (or a bare ".5").
+_NUMBER = r"-?\$?\s?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?![\d,]*\d)|\.\d+)"
+MINUSES = str.maketrans({"\u2212": "-", "\u2013": "-", "\ufe63": "-", "\uff0d": "-"})  # minus sign, en dash, ...
 NUMBER = re.compile(_NUMBER)
 _HASHES = re.compile(r"####\s*(" + _NUMBER + ")")
 _BOXED = re.compile(r"\\boxed\s*\{\s*(?:\\text\{)?\s*(" + _NUMBER + ")")
@@ -21,7 +23,7 @@ _SAYS = re.compile(r"answer\s+is\s*:?\s*(?:\*\*)?\s*(" + _NUMBER + ")", re.IGNOR
 
 def normalize(number: str) -> str | None:
     """``"$1,234.50"`` -> ``"1234.5"``, ``"18.0"`` -> ``"18"``, ``"-.5"`` -> ``"-0.5"``; None if not a number."""
-    text = number.strip().replace("$", "").replace(",", "").replace(" ", "").rstrip(".")
+    text = number.translate(MINUSES).strip().replace("$", "").replace(",", "").replace(" ", "").rstrip(".")
     try:
         value = Decimal(text)
     except InvalidOperation:
@@ -45,6 +47,7 @@ def reference_answer(solution: str) -> str:
 
 def extract_answer(response: str) -> str | None:
     """The final answer of a response, normalised (see the module docstring); None when it holds no number."""
+    response = response.translate(MINUSES)
     for pattern in (_HASHES, _BOXED, _SAYS):
         found = pattern.findall(response)
         if found:

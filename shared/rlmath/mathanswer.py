@@ -8,6 +8,8 @@ from __future__ import annotations
 import re
 from fractions import Fraction
 
+from shared.rlmath.gsm8k import MINUSES
+
 # A number as people write it: "-1,234.5", "+3", ".5", "3/4" (thousands commas only in groups of three).
 NUMBER = r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)?(?:\.\d+)?(?:/\d+)?"
 _NUMBER_RE = re.compile(rf"(?<![\w.])(?:{NUMBER})")
@@ -41,7 +43,7 @@ def _numbers(text: str) -> list[str]:
 
 def clean(answer: str) -> str:
     """Strip LaTeX wrapping and punctuation around an answer: ``$\\frac{1}{2}$.`` -> ``1/2``."""
-    s = answer.strip()
+    s = answer.strip().translate(MINUSES)
     for _ in range(3):  # \frac inside \text and the like
         s = _FRAC.sub(r"(\1)/(\2)", s)
         s = _TEXT.sub(r"\1", s)
@@ -53,6 +55,7 @@ def clean(answer: str) -> str:
 
 def extract_answer(text: str) -> str | None:
     """The final answer of a response: ``\\boxed{}``, then "answer is X", then ``#### X``, else the last number."""
+    text = text.translate(MINUSES)
     boxed = _boxed(text)
     if boxed is not None:
         return clean(boxed) or None

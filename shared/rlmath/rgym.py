@@ -5,10 +5,21 @@ not always JSON-safe: tuples, sets), so only the four coordinates travel."""
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 from typing import Any
 
-HELDOUT_SEED_OFFSET = 1_000_003  # held-out items come from seed + this: a separate seed space from training's
+SPLITS = ("train", "heldout")
+
+
+def split_seed(seed: int, split: str) -> int:
+    """The reasoning-gym seed of a run seed's training stream or held-out set: a hash of both. reasoning-gym builds
+    item i of seed s from ``Random(s + i)``, so consecutive run seeds used as they are would be one stream shifted
+    by an item; hashed, two seeds' items coincide only when their questions do by chance."""
+    if split not in SPLITS:
+        raise ValueError(f"split: expected one of {SPLITS}, got {split!r}")
+    digest = hashlib.blake2b(f"chorus:{split}:{int(seed)}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 2  # 62 bits: any JSON or msgpack integer
 
 
 @functools.lru_cache(maxsize=64)

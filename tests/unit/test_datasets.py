@@ -55,6 +55,15 @@ EXTRACT = [
     ("Total: $ 45", "45"),
     ("#### 12\n\\boxed{13}", "12"),  # #### is preferred over \boxed
     ("The answer is 8 \\boxed{9}", "9"),  # \boxed over "the answer is"
+    # thousands separators come in groups of three; anything else is a list of numbers
+    ("The digits are 1,2,3", "3"),
+    ("Pick from 12,34", "34"),
+    ("It costs 1,234,567 in all", "1234567"),
+    ("#### 2,500.50", "2500.5"),
+    # the Unicode minus sign (and its look-alikes) is a minus
+    ("The temperature is \u22125 degrees", "-5"),
+    ("#### \u221212", "-12"),
+    ("The answer is \uff0d3", "-3"),
 ]
 
 
@@ -84,12 +93,46 @@ def test_gsm8k_heldout_slice_is_seeded_and_out_of_training():
     assert not datasets.dataset_split(TaskConfig(name="gsm8k", instruction=""), "test")[0].question.endswith('"####".')
 
 
+def test_run_seeds_draw_independent_held_out_sets_and_training_streams():
+    """reasoning-gym builds item i of seed s from Random(s + i): seeds used as they are made run seed s + 1 the
+    stream of seed s shifted by one item. Hashed per split, ten seeds share what chance makes them share."""
+    cfg = TaskConfig(name="reasoning_gym", dataset="basic_arithmetic",
+                     dataset_config={"min_terms": 3, "max_terms": 4, "min_digits": 2, "max_digits": 3}, heldout=200)
+    held = [[t.question for t in heldout_tasks(cfg, 200, seed)] for seed in range(10)]
+    assert all(len(set(h)) == 200 for h in held)  # distinct questions within a set
+    shared = max(len(set(held[a]) & set(held[b])) for a in range(10) for b in range(a + 1, 10))
+    assert shared < 2, shared  # under 1% of 200, pairwise
+    streams = [[TaskSource(seed, cfg, "p").next()[1].question for _ in range(1)] for seed in range(3)]
+    firsts = [TaskSource(seed, cfg, "p") for seed in range(3)]
+    heads = [[src.next()[1].question for _ in range(50)] for src in firsts]
+    assert not set(heads[0]) & set(heads[1]) and not set(heads[1]) & set(heads[2])
+    assert [s[0] for s in streams] == [h[0] for h in heads]  # the stream of a seed is the same every time
+    for seed in range(3):  # a seed's training stream never asks a question of its held-out set
+        src = TaskSource(seed, cfg, "p")
+        assert not {src.next()[1].question for _ in range(300)} & set(held[seed])
+
+
+def test_a_question_space_smaller_than_the_held_out_set_is_reported_by_chorus_check():
+    from shared.kernel.config import ChorusConfig
+
+    # chain_sum of two one-digit terms has 200 questions ("4 - 1 =", ...)
+    small = {"name": "reasoning_gym", "dataset": "chain_sum", "heldout": 400,
+             "dataset_config": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}}
+    cfg = ChorusConfig(run={"id": "r"}, models={"m": {}}, agents=AGENTS, task=small)
+    problems = precheck.task_problems(cfg)
+    assert len(problems) == 1 and "fewer than the 400 held-out ones asked for" in problems[0], problems
+    assert "question space is too small" in problems[0]
+    assert precheck.task_problems(ChorusConfig(run={"id": "r"}, models={"m": {}}, agents=AGENTS,
+                                               task={**small, "heldout": 20})) == []
+
+
 def test_reasoning_gym_tasks_are_scored_by_the_datasets_own_score_answer():
     cfg = TaskConfig(name="reasoning_gym", dataset="basic_arithmetic", dataset_config={"min_terms": 2,
                      "max_terms": 3}, heldout=5)
     src = TaskSource(7, cfg, "p")
     _, task = src.next()
-    ds = rgym.dataset("basic_arithmetic", cfg.dataset_config, 7, cfg.size)
+    ds = rgym.dataset("basic_arithmetic", cfg.dataset_config, rgym.split_seed(7, "train"), cfg.size)
+    assert task.meta["seed"] == rgym.split_seed(7, "train")
     entry = ds[task.meta["index"]]
     assert task.answer == str(entry["answer"]) and task.question.startswith(entry["question"])
     for response in (f"<answer>{entry['answer']}</answer>", "<answer>nope</answer>", "no tags"):
