@@ -195,7 +195,8 @@ HELDOUT_DRAWS = 20  # draws per held-out item asked for, at most, before a task'
 def rg_heldout(cfg: TaskConfig, n: int, seed: int) -> list[Task]:
     """``n`` held-out items of distinct questions, from the held-out seed of run seed ``seed``; ValueError when the
     dataset cannot give that many (its question space is smaller than the held-out set asked for)."""
-    held, questions = [], set()
+    held: list[Task] = []
+    questions: set[str] = set()
     rg_seed = rgym.split_seed(seed, "heldout")
     draws = min(cfg.size, HELDOUT_DRAWS * n)
     for i in range(draws):

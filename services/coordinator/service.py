@@ -18,6 +18,7 @@ from services.coordinator.clients import MAX_ATTEMPTS, RequestClient, backoff
 from services.coordinator.evaluation import evaluate
 from services.coordinator.failures import FailureLog, error_key, root_cause
 from services.coordinator.generated import GeneratedTokens
+from services.coordinator.health import RewardHealth
 from services.coordinator.keepbest import BestKeeper
 from services.coordinator.marft import HeldBatch, apply_gae, critic_rows, rollouts
 from services.coordinator.routing import RolloutRouter
@@ -145,6 +146,7 @@ class CoordinatorService(Service):
         self._announced_done = False  # every model reached max_versions: episodes that end now are not published
         wf = cfg.workflow
         self.failures = FailureLog(wf.max_failures, wf.backoff_s, wf.backoff_max_s)
+        self.health = RewardHealth(self.cfg)
         for m in self.models:
             await self.nc.subscribe(self.names.depth(m), cb=self._on_depth)
             # New weights served: read the version at once (the poll is the fallback), so an on-policy
@@ -554,6 +556,10 @@ class CoordinatorService(Service):
             await self.event(events.RUN_FAILED, error=error, errors=self.failures.summary())
             self.stop(EX_RUN_FAILED)
 
+    async def _fail_run(self, error: str) -> None:
+        await self.event(events.RUN_FAILED, error=error, errors={})
+        self.stop(EX_RUN_FAILED)
+
     def _record(self, ep: Episode) -> None:
         self.counters["tasks_done"] += 1
         self.generated.add(ep.tokens_generated)
@@ -563,6 +569,13 @@ class CoordinatorService(Service):
             self.log.warning("samples dropped: the reward function failed", task=ep.task.task_id,
                              count=len(ep.reward_errors), reason=ep.reward_errors[0][:300])
         self.counters["turns_untrained"] += ep.untrained_turns
+        warnings, stop = self.health.record(ep)
+        for w in warnings:  # chorus up prints them; the dashboard's event list shows them
+            self.log.warning(w["text"], model=w["model"], cause=w["cause"], setting=w["setting"])
+            self.spawn(self.event(events.WARNING, **w), "warning")
+        if stop is not None and not self.stopping:
+            self.log.error("stopping the run: " + stop)
+            self.spawn(self._fail_run(stop), "run-failed")
         for agent, rewards in ep.rewards.items():
             mean = sum(rewards) / max(1, len(rewards))
             prev = self.reward_ema.get(agent)

@@ -29,6 +29,7 @@ RUN_FAILED = "run_failed"
 ROUTING = "routing"
 CRITIC_STEP = "critic_step"
 OUT_OF_MEMORY = "out_of_memory"
+WARNING = "warning"
 
 EVENTS: tuple[EventKind, ...] = (
     EventKind(STEP, "trainer", "the StepRecord fields (version, samples, sample_ids, reward_mean, loss, ...)",
@@ -46,7 +47,10 @@ EVENTS: tuple[EventKind, ...] = (
     EventKind(WORKFLOW_ERROR, "coordinator", "key, error",
               "the user's workflow raised or timed out (logged once per distinct error, counted after)"),
     EventKind(RUN_FAILED, "coordinator", "error, errors",
-              "workflow.max_failures reached: the coordinator stops the run (exit 78)"),
+              "workflow.max_failures or reward.max_errors reached: the coordinator stops the run (exit 78)"),
+    EventKind(WARNING, "coordinator", "model, cause, text, setting",
+              "a model is learning nothing (its groups' rewards have not varied for reward.warn_after_steps steps): "
+              "the likely cause and the setting to change; chorus up prints it"),
     EventKind(CRITIC_STEP, "critic", "version, samples, sample_ids, value_loss, explained_variance, critic_grad_norm",
               "MARFT's critic committed a step of its head: which critic samples it trained", record=True),
     EventKind(OUT_OF_MEMORY, "trainer", "who, evidence, advice, count, out_of_memory (limit, cgroup counters)",

@@ -263,11 +263,11 @@ def up(
     raise typer.Exit(code)
 
 
-def _exit_on_problems(cfg: ChorusConfig) -> int:
+def _exit_on_problems(cfg: ChorusConfig, shown: list[str] | None = None) -> int:
     """Print every problem :mod:`shared.launcher.precheck` finds and exit 2; the number of checks otherwise."""
     from shared.launcher.precheck import problems
 
-    found = problems(cfg)
+    found = problems(cfg, shown)
     if found:
         err.print(f"[red]error:[/] the config has {len(found)} problem(s); nothing was started:", highlight=False)
         for p in found:
@@ -285,7 +285,10 @@ def check(
     config = find_config(config)
     cfg = _load(config)
     setup_logging(json=False, level="ERROR")
-    _exit_on_problems(cfg)
+    shown: list[str] = []
+    _exit_on_problems(cfg, shown)
+    for line in shown:
+        console.print(line, highlight=False, markup=False)
     console.print(f"{config}: ok ({len(cfg.models)} model(s), task {cfg.task.name}, workflow {cfg.workflow.name}, "
                   f"{len(cfg.agents)} agent(s))", highlight=False)
 

@@ -75,8 +75,28 @@ def grader_problems(cfg: ChorusConfig) -> list[str]:
     return [f"task.path: {why}"] if why else []
 
 
-def function_problems(cfg: ChorusConfig) -> list[str]:
-    """The custom workflow function and the reward function, imported from their files."""
+def reward_trial(cfg: ChorusConfig) -> str:
+    """Call the reward function once, on the first held-out row (the first training row without a held-out set)
+    with its own reference answer as the reply (what a right answer should earn); the line that shows what it returned. Raises what the run's workers would drop the
+    sample for (it raised, or returned no finite number)."""
+    from services.actions import rewardfn
+    from services.coordinator.tasks import TaskSource, heldout_tasks
+    from services.coordinator.workflows.scoring import check_request
+
+    held = heldout_tasks(cfg.task, 1, cfg.run.seed) if cfg.task.heldout else []
+    task = held[0] if held else TaskSource(cfg.run.seed, cfg.task, "check").next()[1]
+    _, payload = check_request(cfg, task, task.answer, True)
+    out = rewardfn.compute(payload)
+    spec = str(payload["function"]).rpartition(":")[2]
+    return (f"reward.function: {spec}(data_source={payload['data_source']!r}, solution_str=<the row's reference "
+            f"{task.answer!r:.60}>, ground_truth={payload['ground_truth']!r:.60}) on {'held-out' if held else 'training'}"
+            f" row {task.task_id} "
+            f"returned reward {out['reward']:g}" + (f", scores {out['scores']}" if out["scores"] else ""))
+
+
+def function_problems(cfg: ChorusConfig, shown: list[str] | None = None) -> list[str]:
+    """The custom workflow function and the reward function, imported from their files; the reward function is
+    called once (:func:`reward_trial`), and what it returned is added to ``shown``."""
     from services.actions.rewardfn import load
     from services.coordinator.workflows import workflow_of
 
@@ -85,7 +105,15 @@ def function_problems(cfg: ChorusConfig) -> list[str]:
         out += [p for p in [_problem("workflow.function", lambda: workflow_of(cfg))] if p]
     spec = getattr(cfg.reward, "function", None)
     if spec:
-        out += [p for p in [_problem("reward.function", lambda: load(spec))] if p]
+        problem = _problem("reward.function", lambda: load(spec))
+        if problem is None:
+            lines: list[str] = []
+            problem = _problem("reward.function", lambda: lines.append(reward_trial(cfg)))
+            if problem is not None:
+                problem += " (called once on a row of the task with its reference answer as the reply)"
+            elif shown is not None:
+                shown += lines
+        out += [problem] if problem else []
     return out
 
 
@@ -137,7 +165,9 @@ def memory_problems(cfg: ChorusConfig) -> list[str]:
     return [f"models.{capped[0]}.trainer.memory_mb: {why}"] if why else []
 
 
-def problems(cfg: ChorusConfig) -> list[str]:
-    """Every problem of a loaded config, each naming its key and path; empty when the run can start."""
-    return (model_problems(cfg) + task_problems(cfg) + grader_problems(cfg) + function_problems(cfg)
+def problems(cfg: ChorusConfig, shown: list[str] | None = None) -> list[str]:
+    """Every problem of a loaded config, each naming its key and path; empty when the run can start. ``shown``
+    collects what the checks have to show besides (what the reward function returned)."""
+    task = task_problems(cfg)
+    return (model_problems(cfg) + task + grader_problems(cfg) + function_problems(cfg, shown if not task else None)
             + loss_problems(cfg) + credential_problems(cfg) + memory_problems(cfg))

@@ -28,6 +28,7 @@ from nats.js.kv import KeyValue
 from rich.console import Console
 from rich.live import Live
 
+from shared.kernel import events
 from shared.kernel.bus import connect, ensure_run, kv_get_int
 from shared.kernel.codec import DecodeError, decode_json
 from shared.kernel.config import ChorusConfig, ConfigError, load_config
@@ -529,6 +530,8 @@ async def run_up(config_path: Path | None, *, timeout_s: float | None = None, co
                 if isinstance(ev, dict) and ev.get("kind") == "eval":
                     evals.append(ev)
                     console.print(eval_line(ev))
+                elif isinstance(ev, dict) and ev.get("kind") == events.WARNING and isinstance(ev.get("text"), str):
+                    console.print(f"warning: {ev['text']}", style="yellow", markup=False, highlight=False)
 
         await nc.subscribe(names.events("coordinator"), cb=on_coordinator)
         recorder = GaugeRecorder(run_dir)

@@ -100,6 +100,23 @@ def test_chorus_check_refuses_verl_rows_whose_data_source_has_no_grader(tmp_path
     assert code == 0, out
 
 
+def test_chorus_check_calls_the_reward_function_once_and_reports_one_that_raises(tmp_path: Path) -> None:
+    (tmp_path / "reward.py").write_text("def boom(data_source, solution_str, ground_truth, extra_info=None):\n"
+                                        "    raise RuntimeError('no reward today')\n"
+                                        "def half(data_source, solution_str, ground_truth, extra_info=None):\n"
+                                        "    return 0.5\n")
+    cfg = write_config(tmp_path, reward={"function": "reward.py:boom"})
+    code, out = chorus("check", str(cfg), cwd=tmp_path)
+    flat = " ".join(out.split())
+    assert code == 2 and "raised RuntimeError: no reward today" in flat and "called once on a row of the task" in flat, out
+    print(out)
+    cfg = write_config(tmp_path, reward={"function": "reward.py:half"})
+    code, out = chorus("check", str(cfg), cwd=tmp_path)
+    flat = " ".join(out.split())
+    assert code == 0 and "reward.function: half(data_source='arithmetic'" in flat and "returned reward 0.5" in flat, out
+    print(out)
+
+
 def test_a_relative_task_path_is_read_beside_the_config_file(tmp_path: Path) -> None:
     from shared.kernel.config import load_config
 

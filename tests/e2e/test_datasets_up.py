@@ -91,11 +91,12 @@ async def test_humaneval_run_scores_every_reply_in_the_sandbox_through_the_coord
     samples, coordinator, text = await _run(path, nats_url, run_id)
     assert f"{VERSIONS}/{VERSIONS}" in text, text[-2000:]
     assert _counter(coordinator, "samples_dropped_reward_error") == 0, coordinator
-    problems = {p["task_id"].replace("/", "-"): p for p in datasets.humaneval_problems()}
+    problems = datasets.humaneval_problems()
     tok = ByteTokenizer()
     checked = 0
     for s in samples:  # the reward is check_humaneval's verdict on the same reply, run again here
-        problem = problems[s.episode.split("/")[0]]
+        prompt = tok.decode(s.prompt_ids.tolist())
+        problem = max((p for p in problems if p["prompt"] in prompt), key=lambda p: len(p["prompt"]))
         response = tok.decode(s.response_ids.tolist())
         out = REGISTRY["check_humaneval"]({"response": response, "prompt": problem["prompt"],
                                            "entry_point": problem["entry_point"], "test": problem["test"]})
@@ -113,6 +114,14 @@ calls = 0
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     assert data_source == "my/source" and extra_info["tag"] == "t"
     return {"score": (len(solution_str) % 4) / 4 + (0.5 if ground_truth == "7" else 0.0), "length": len(solution_str)}
+
+def zero(data_source, solution_str, ground_truth, extra_info=None):
+    return 0.0
+
+def picky(data_source, solution_str, ground_truth, extra_info=None):
+    if solution_str != ground_truth:  # the reference itself scores (chorus check's trial); no reply of a tiny model does
+        raise ValueError("no answer in the reply")
+    return 1.0
 
 def flaky(data_source, solution_str, ground_truth, extra_info=None):
     global calls
@@ -165,3 +174,26 @@ async def test_a_reward_function_that_raises_or_returns_nan_drops_counted_sample
     assert f"{VERSIONS}/{VERSIONS}" in text, text[-2000:]
     assert _counter(coordinator, "samples_dropped_reward_error") > 0, coordinator
     assert all(s.reward == 1.0 for s in samples)  # no failed row was scored 0
+
+
+async def test_a_run_whose_rewards_never_vary_warns_with_the_cause_on_the_terminal(nats_url, run_id, tmp_path):
+    path = _config(tmp_path, run_id, {"name": "verl", "path": str(_verl_file(tmp_path))},
+                   {"function": "reward.py:zero", "warn_after_steps": 1})
+    samples, _, text = await _run(path, nats_url, run_id)
+    assert all(s.reward == 0.0 for s in samples)
+    flat = " ".join(text.split())
+    assert "warning: model solver_lm: each of its last 2 groups (1 steps' worth) gave every sample the same reward " \
+           "(mean 0.000)" in flat, text[-3000:]
+    assert "Every reply scored 0" in flat
+    print(next(line for line in text.splitlines() if line.startswith("warning:")))
+
+
+async def test_a_reward_function_that_fails_on_every_reply_stops_the_run_with_the_reason(nats_url, run_id, tmp_path):
+    path = _config(tmp_path, run_id, {"name": "verl", "path": str(_verl_file(tmp_path))},
+                   {"function": "reward.py:picky", "max_errors": 16})
+    code, text = await chorus_up(path, nats_url, 240)
+    flat = " ".join(text.split())
+    assert code == 1, text[-3000:]
+    assert "stopped the run (exit 78" in flat and "reward.max_errors 16" in flat, text[-3000:]
+    assert "ValueError: no answer in the reply" in flat
+    print(text[-1500:])

@@ -107,6 +107,28 @@ def test_a_reward_function_missing_or_not_in_its_file_is_named(tmp_path: Path) -
     assert precheck.function_problems(config(tmp_path, reward={"function": "reward.py:score"})) == []
 
 
+def test_the_reward_function_is_called_once_on_a_held_out_row_and_what_it_returned_is_shown(tmp_path: Path) -> None:
+    (tmp_path / "reward.py").write_text(
+        "calls = []\n"
+        "def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    calls.append(1)\n"
+        "    assert len(calls) == 1, 'called twice'\n"
+        "    return {'score': float(solution_str == ground_truth), 'length': len(solution_str)}\n"
+        "def broken(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    raise KeyError('answer')\n"
+        "def text(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return 'yes'\n")
+    cfg = config(tmp_path, reward={"function": "reward.py:score"}, task={"heldout": 4})
+    shown: list[str] = []
+    assert precheck.problems(cfg, shown) == []
+    assert len(shown) == 1 and shown[0].startswith("reward.function: score(data_source='arithmetic', solution_str="), shown
+    assert "on held-out row heldout-0 returned reward 1, scores {'length':" in shown[0], shown
+    for name, why in (("broken", "raised KeyError: 'answer'"), ("text", "returned str 'yes'")):
+        found = precheck.function_problems(config(tmp_path, reward={"function": f"reward.py:{name}"}))
+        assert len(found) == 1 and found[0].startswith(f"reward.function {tmp_path}") and why in (
+            found[0]) and found[0].endswith("with its reference answer as the reply)"), found
+
+
 def test_a_credentials_file_that_cannot_be_read_is_named(tmp_path: Path) -> None:
     missing = tmp_path / "app.creds"
     found = precheck.credential_problems(config(tmp_path, nats={"url": "nats://127.0.0.1:4222",

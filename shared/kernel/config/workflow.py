@@ -168,6 +168,10 @@ class RewardSection(Section):
     # Shaping, asked for by name: a wrong whole number close to a whole-number answer earns
     # 0.5 * max(0, 1 - |got - expected| / 10) from check_answer and check_math (0 without it).
     partial_credit: bool = False
+    # The run stops after this many samples in a row whose reward function failed, none scored in between.
+    max_errors: int = Field(default=20, ge=1)
+    # A model whose groups all gave their samples one reward for this many steps' worth of groups gets a warning.
+    warn_after_steps: int = Field(default=5, ge=1)
 
     @model_validator(mode="before")
     @classmethod

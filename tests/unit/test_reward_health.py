@@ -1,0 +1,74 @@
+"""A run that learns nothing says so: flat groups make a warning naming the cause and the setting; a reward
+function that fails on every row stops the run (services/coordinator/health.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+from services.coordinator.health import RewardHealth
+from services.coordinator.tasks import Task
+from services.coordinator.workflows.episode import Episode
+from shared.kernel.config import ChorusConfig
+from shared.kernel.schemas import Array, Sample
+
+
+def config(**sections: Any) -> ChorusConfig:
+    data = {"run": {"id": "h"}, "models": {"m": {}}, "agents": {"solver": {"model": "m"}, "verifier": {"model": "m"}},
+            "workflow": {"group_size": 4, "max_new_tokens": 8}, "train": {"global_batch": 8},  # 2 groups a step
+            **sections}
+    return ChorusConfig(**yaml.safe_load(yaml.safe_dump(data)))
+
+
+def episode(rewards: list[float], finished: bool = True, errors: int = 0, n: int = 0) -> Episode:
+    ids = Array.of([1, 2], "int32")
+    samples = [Sample(run="r", episode=f"e{n}", sample_id=f"e{n}_{i}", env_idx=0, rollout_idx=i, agent="solver",
+                      model="m", turn=0, prompt_ids=ids, response_ids=ids,
+                      behavior_logprobs=Array.of([-1.0, -1.0], "float32"), reward=r, group_key=f"e{n}:solver:0",
+                      group_size=len(rewards), version=0) for i, r in enumerate(rewards)]
+    turns = [{"agent_name": "solver", "metadata": {"finished": finished}} for _ in rewards]
+    return Episode(task=Task(task_id=f"t{n}", question="q", answer="1"), samples=samples,
+                   trajectories=[{"trajectory": turns}], reward_errors=["ValueError: boom"] * errors)
+
+
+def test_flat_groups_for_n_steps_make_one_warning_naming_the_cause():
+    health = RewardHealth(config(reward={"warn_after_steps": 3}))
+    assert health.warn_groups == 6  # 3 steps of 2 groups
+    out = [health.record(episode([0.0] * 4, n=i))[0] for i in range(8)]
+    assert [len(w) for w in out] == [0] * 5 + [1, 0, 0]  # once, at the sixth flat group
+    w = out[5][0]
+    assert w["model"] == "m" and w["cause"] == "zero_reward" and "mean 0.000" in w["text"]
+    # a group with a spread resets it; flat again, the warning comes again after as many groups
+    assert health.record(episode([0.0, 1.0, 0.0, 0.0]))[0] == []
+    assert [len(health.record(episode([0.0] * 4, n=i))[0]) for i in range(6)] == [0] * 5 + [1]
+
+
+def test_the_warning_names_truncation_the_answer_tags_or_a_reward_that_does_not_vary():
+    def first_warning(cfg: ChorusConfig, **kw: Any) -> dict[str, Any]:
+        health = RewardHealth(cfg)
+        for i in range(health.warn_groups):
+            warnings, _ = health.record(episode(n=i, **kw))
+        return warnings[0]
+
+    cut = first_warning(config(reward={"warn_after_steps": 1}), rewards=[0.0] * 4, finished=False)
+    assert cut["cause"] == "truncated" and cut["setting"] == "workflow.max_new_tokens" and "100% of its replies" in (
+        cut["text"])
+    tags = first_warning(config(reward={"warn_after_steps": 1}, task={"name": "reasoning_gym", "dataset": "chain_sum"}),
+                         rewards=[0.0] * 4)
+    assert tags["setting"] == "task.answer" and "task.answer: flexible" in tags["text"]
+    same = first_warning(config(reward={"warn_after_steps": 1}), rewards=[0.5] * 4)
+    assert same["cause"] == "constant_reward"
+    easy = first_warning(config(reward={"warn_after_steps": 1}), rewards=[1.0] * 4)
+    assert easy["cause"] == "full_reward" and "too easy" in easy["text"]
+
+
+def test_reward_errors_in_a_row_stop_the_run_and_a_scored_sample_resets_the_count():
+    health = RewardHealth(config(reward={"max_errors": 10}))
+    failed = Episode(task=Task(task_id="t", question="q", answer="1"), samples=[], reward_errors=["ValueError: x"] * 4)
+    assert health.record(failed)[1] is None and health.record(failed)[1] is None  # 8 in a row
+    assert health.record(episode([1.0, 0.0]))[1] is None  # scored samples: the count starts again
+    assert health.record(failed)[1] is None and health.record(failed)[1] is None
+    stop = health.record(failed)[1]  # 12 >= 10
+    assert stop is not None and stop.startswith("the reward function failed on 12 samples in a row (reward.max_errors "
+                                                "10)") and "ValueError: x" in stop and "reward.function" in stop
