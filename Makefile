@@ -102,7 +102,8 @@ test-long: venv
 # A minute at concurrency 64 with a flat JetStream consumer count, the tiny run under the decoupled and REINFORCE++
 # objectives, a killed run resumed (with one trainer per model and with a training pool), SIGTERM of every kind
 # mid-work, the embedded server's credentials, the tiny MARFT run, a stalled trainer in async mode, the fault
-# gauntlet (every kind and the broker killed in one run, a training pool's slot killed, MARFT's critic killed twice).
+# gauntlet (every kind and the broker killed in one run, a training pool's slot killed, MARFT's critic killed twice),
+# and the shipped rg-chain-sum config (the embedded SmolLM2) earning reward in four versions.
 long-runs: venv
 	$(BIN)/pytest -q -p no:cacheprovider -n 2 -m full --durations 4 tests/e2e/test_objectives.py tests/faults/test_resume.py \
 		tests/faults/test_sigterm.py tests/e2e/test_embedded_auth.py \
@@ -111,7 +112,8 @@ long-runs: venv
 		tests/e2e/test_pipeline_modes.py::test_async_a_stalled_trainer_holds_back_neither_the_other_model_nor_memory \
 		tests/faults/test_faults.py::test_marfts_critic_killed_twice_mid_run_loses_nothing_and_trains_nothing_twice \
 		tests/faults/test_faults.py::test_a_training_pool_slot_killed_mid_micro_batch_loses_nothing \
-		tests/faults/test_faults.py::test_every_service_kind_and_the_broker_killed_in_one_run
+		tests/faults/test_faults.py::test_every_service_kind_and_the_broker_killed_in_one_run \
+		tests/e2e/test_datasets_up.py::test_the_shipped_rg_chain_sum_config_earns_reward_within_a_few_versions
 
 # The dashboard in real browsers (tests marked browser): headless Chromium (Debian's chromium and chromium-driver,
 # driven by selenium) and Firefox (Debian's firefox-esr, over the WebDriver BiDi it speaks itself), installed here

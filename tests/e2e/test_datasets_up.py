@@ -12,6 +12,7 @@ from typing import Any
 import nats
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 import yaml
 from reasoning_gym.utils import extract_answer
 
@@ -22,6 +23,7 @@ from shared.kernel.schemas import Sample
 from shared.models.tokenizer import ByteTokenizer
 from shared.results.plotting import load_generated, load_metrics
 from shared.rlmath import rgym
+from tests.conftest import ROOT
 from tests.e2e.conftest import chorus_up, small_run_config
 
 VERSIONS = 3
@@ -196,4 +198,21 @@ async def test_a_reward_function_that_fails_on_every_reply_stops_the_run_with_th
     assert code == 1, text[-3000:]
     assert "stopped the run (exit 78" in flat and "reward.max_errors 16" in flat, text[-3000:]
     assert "ValueError: no answer in the reply" in flat
+    print(text[-1500:])
+
+
+@pytest.mark.full
+async def test_the_shipped_rg_chain_sum_config_earns_reward_within_a_few_versions(nats_url, run_id, tmp_path):
+    """configs/rg-chain-sum.yaml as shipped (the embedded SmolLM2, answer: flexible), cut to four versions and no
+    evaluation: SmolLM2 does not write <answer> tags, and scored only by them every reply earned 0."""
+    cfg = yaml.safe_load((ROOT / "configs" / "rg-chain-sum.yaml").read_text())
+    cfg["run"] = {"id": run_id, "dir": str(tmp_path / "runs"), "seed": 0}
+    cfg.pop("nats", None)
+    cfg["train"]["max_versions"] = 4
+    cfg["eval"]["every"] = 0
+    path = tmp_path / "rg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    samples, _, text = await _run(path, nats_url, run_id)
+    assert "4/4" in text, text[-2000:]
+    assert max(s.reward for s in samples) > 0, text[-2000:]
     print(text[-1500:])
