@@ -60,6 +60,7 @@ class StepBook:
 
     rewards: list[float] = field(default_factory=list)
     staleness: list[int] = field(default_factory=list)
+    truncated: int = 0  # samples whose reply was cut at max_new_tokens
     agents: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
     sample_ids: list[str] = field(default_factory=list)
     adapters: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # LoRA adapter -> samples
@@ -71,6 +72,7 @@ class StepBook:
                 self.adapters[s.adapter] += 1
             self.rewards.append(s.reward)
             self.staleness.append(version - s.version)
+            self.truncated += s.truncated
             self.agents[s.agent].append(s.reward)
             self.sample_ids.append(s.sample_id)
 
@@ -84,6 +86,7 @@ class StepBook:
             "samples": n,
             "staleness_mean": sum(self.staleness) / n if n else 0.0,
             "staleness_max": max(self.staleness, default=0),
+            "truncated": self.truncated / n if n else 0.0,
             "agent_reward": {a: sum(v) / len(v) for a, v in sorted(self.agents.items())},
             "sample_ids": list(self.sample_ids),
         }

@@ -162,6 +162,7 @@ class Sample(Message):
     response_ids: Array
     behavior_logprobs: Array
     reward: float
+    truncated: bool = False  # the reply was cut at workflow.max_new_tokens (it did not stop on EOS)
     group_key: str  # AT-GRPO group: (env, agent, turn)
     group_size: int = Field(gt=0)
     advantage: float | None = None  # set by the coordinator under train.grouping "episode"; else the trainer's
@@ -302,6 +303,7 @@ class StepRecord(Message):
     dropped_stale: int
     step_seconds: float
     loss: float
+    truncated: float = 0.0  # share of the step's samples whose reply was cut at workflow.max_new_tokens
     agent_reward: dict[str, float] = Field(default_factory=dict)
     sample_ids: list[str] = Field(default_factory=list)
     time: float = Field(default_factory=time.time)

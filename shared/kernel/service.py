@@ -317,6 +317,7 @@ class Service:
             elif not stopping.cancelled() and stopping.exception() is not None:
                 self.log.warning("micro stop failed", error=str(stopping.exception()))
         if getattr(self, "nc", None) is not None and self.nc.is_connected:
+            await self._last_metrics(left(0.2))
             draining = asyncio.ensure_future(self.nc.drain())
             done, _ = await asyncio.wait({draining}, timeout=left())
             if not done:
@@ -452,10 +453,22 @@ class Service:
         }
 
     async def _metrics_loop(self) -> None:
-        subject = self.names.metrics(self.name, f"{self.model}-{self.instance}" if self.model else self.instance)
         while not self.stopping:
-            await self.publish_quietly(subject, encode_json({**self.metrics_snapshot(), **self.periodic_metrics()}))
+            await self.publish_quietly(self._metrics_subject(),
+                                       encode_json({**self.metrics_snapshot(), **self.periodic_metrics()}))
             await asyncio.sleep(self.cfg.metrics_interval_s)
+
+    def _metrics_subject(self) -> str:
+        return self.names.metrics(self.name, f"{self.model}-{self.instance}" if self.model else self.instance)
+
+    async def _last_metrics(self, timeout_s: float) -> None:
+        """The counters as they are at the end (a stop can come between two metrics messages: what made it, say
+        the last reward errors, would otherwise never be published)."""
+        try:
+            body = encode_json(self.metrics_snapshot())
+            await asyncio.wait_for(self.publish_quietly(self._metrics_subject(), body), timeout_s)
+        except Exception as exc:  # noqa: BLE001 - the last message is a courtesy, never a reason to fail the stop
+            self.log.debug("last metrics not published", error=f"{type(exc).__name__}: {exc}")
 
     async def _server_watch(self) -> None:
         """Move to another server of the cluster when this one stops serving JetStream for three checks in a row

@@ -100,7 +100,7 @@ def gauge_key(g: Mapping[str, Any]) -> str:
 
 
 STEP_FIELDS = ("version", "time", "reward_mean", "staleness_mean", "staleness_max", "step_seconds", "samples",
-               "loss")
+               "loss", "truncated")
 
 
 @dataclass

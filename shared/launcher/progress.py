@@ -26,6 +26,13 @@ DROP_WORDS = {
     "learner_error": "failed in the learner",
     "nonfinite_grad": "gave a non-finite gradient",
 }
+# The coordinator's drops, before any sample is published: its counters (metrics) -> words
+COORDINATOR_DROPS = {
+    "samples_dropped_reward_error": "samples whose reward function failed (reward.function)",
+    "groups_incomplete_dropped": "groups not every rollout reached (dropped whole)",
+    "workflow_errors": "tasks whose workflow raised",
+    "workflow_timeouts": "tasks whose workflow timed out (workflow.timeout_s)",
+}
 WIDE = 160  # columns of the output when it is not a terminal (a pipe, a log file, a container's stdout)
 
 
@@ -55,6 +62,7 @@ class RunTracker:
 
     max_versions: int
     models: dict[str, ModelProgress] = field(default_factory=dict)
+    coordinator: dict[str, int] = field(default_factory=dict)  # its drop counters (COORDINATOR_DROPS), latest
 
     @classmethod
     def for_models(cls, models: list[str], max_versions: int) -> RunTracker:
@@ -87,6 +95,20 @@ class RunTracker:
         if p.version >= self.max_versions:
             p.done = True
 
+    def on_metrics(self, m: Any) -> None:
+        """Take the coordinator's drop counters from one metrics message; anything else is ignored."""
+        if not isinstance(m, dict) or m.get("service") != "coordinator" or not isinstance(m.get("counters"), dict):
+            return
+        for key in COORDINATOR_DROPS:
+            value = m["counters"].get(key)
+            if isinstance(value, int) and value >= self.coordinator.get(key, 0):
+                self.coordinator[key] = value
+
+    def coordinator_line(self) -> str | None:
+        """What the coordinator dropped before publishing anything, by reason; None when nothing."""
+        parts = [f"{n} {COORDINATOR_DROPS[k]}" for k, n in self.coordinator.items() if n]
+        return f"coordinator: dropped {'; '.join(parts)}" if parts else None
+
     def sample_lines(self) -> list[str]:
         """Per model: samples trained and dropped, each reason once and in words; stale drops as a share of trained
         + stale (what the staleness bound cost)."""
@@ -102,7 +124,8 @@ class RunTracker:
                     words += f", {n / (n + p.trained):.1%} of trained + stale"
                 parts.append(f"{n} {words}")
             out.append(f"{name}: {p.trained} samples trained; {sum(p.dropped.values())} dropped: {'; '.join(parts)}")
-        return out
+        line = self.coordinator_line()
+        return out + ([line] if line else [])
 
     def on_trained_version(self, model: str, version: int) -> None:
         """The trainer's KV version (covers events missed before the subscription started)."""
@@ -140,6 +163,10 @@ class ProgressView:
             parts.append(f"{m} {min(p.version, self.tracker.max_versions)}/{self.tracker.max_versions} "
                          f"reward {reward}" + (" done" if p.done else ""))
         waiting = not any(p.version for p in self.tracker.models.values())
+        dropped = {k: n for k, n in self.tracker.coordinator.items() if n}
+        if dropped:
+            parts.append("coordinator dropped " + ", ".join(f"{n} {k.replace('_dropped', '').replace('samples_', '')}"
+                                                          for k, n in dropped.items()))
         return "progress: " + "; ".join(parts) + (" (waiting for the first version)" if waiting else "")
 
     def refresh(self) -> None:

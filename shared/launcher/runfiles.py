@@ -50,14 +50,18 @@ def eval_scores(evals: list[dict[str, Any]]) -> dict[str, Any]:
             "evals": len(evals)}
 
 
-def write_summary(run_dir: Path, *, code: int, models: dict[str, dict[str, Any]], started: float | None = None) -> None:
+def write_summary(run_dir: Path, *, code: int, models: dict[str, dict[str, Any]], started: float | None = None,
+                  coordinator_dropped: dict[str, int] | None = None) -> None:
     """How ``chorus up`` ended (``code``: 0 finished, 1 failed, 130 interrupted), when and after how long, what each
-    model did, the final and best held-out scores and the training tokens generated (from metrics.jsonl)."""
+    model did, what the coordinator dropped before publishing (by counter), the final and best held-out scores and
+    the training tokens generated (from metrics.jsonl)."""
     ended = time.time()
     rec: dict[str, Any] = {"finished": code == 0, "exit_code": code, "ended": ended, "ended_utc": iso_utc(ended)}
     if started is not None:
         rec |= {"started": started, "started_utc": iso_utc(started), "duration_s": round(ended - started, 1)}
     rec["models"] = models
+    if coordinator_dropped:
+        rec["coordinator_dropped"] = coordinator_dropped
     metrics = run_dir / "metrics.jsonl"
     if metrics.is_file():
         rec |= eval_scores(load_evals(metrics))

@@ -538,7 +538,9 @@ async def run_up(config_path: Path | None, *, timeout_s: float | None = None, co
 
         async def on_metrics(msg: Msg) -> None:
             with contextlib.suppress(DecodeError):
-                recorder.on_metrics(decode_json(msg.data))
+                m = decode_json(msg.data)
+                recorder.on_metrics(m)
+                tracker.on_metrics(m)
 
         await nc.subscribe(names.metrics_all(), cb=on_metrics)
         background.append(asyncio.create_task(_flush_every(recorder, GAUGES_FLUSH_S)))
@@ -585,7 +587,8 @@ async def run_up(config_path: Path | None, *, timeout_s: float | None = None, co
             console.print(line)
         write_summary(run_dir, code=code, started=started, models={m: {"version": p.version, "trained": p.trained,
                                                       "dropped": dict(p.dropped), "out_of_memory": oom_counts[m]}
-                                                      for m, p in tracker.models.items()})
+                                                      for m, p in tracker.models.items()},
+                      coordinator_dropped=dict(tracker.coordinator))
         console.print(f"`chorus status {run_dir}` reads the results from the run directory once the run's "
                       f"server is gone; `chorus samples {run_dir}` shows what the agents said", highlight=False)
     return code

@@ -61,10 +61,12 @@ def eval_table(evals: list[dict[str, Any]]) -> Table:
 def summary_table(summary: dict[str, dict[str, float]]) -> Table:
     """Reward per model: the first and last 20% of its steps, and their difference."""
     t = Table(title="reward per model (mean reward_mean of the first / last 20% of steps)")
-    for col in ("model", "steps", "first 20%", "last 20%", "delta"):
+    cut = any("truncated" in s for s in summary.values())
+    for col in ("model", "steps", "first 20%", "last 20%", "delta", *(["cut at max_new_tokens"] if cut else [])):
         t.add_column(col, justify="left" if col == "model" else "right")
     for model, s in summary.items():
-        t.add_row(model, str(int(s["steps"])), f"{s['first']:.3f}", f"{s['last']:.3f}", f"{s['delta']:+.3f}")
+        t.add_row(model, str(int(s["steps"])), f"{s['first']:.3f}", f"{s['last']:.3f}", f"{s['delta']:+.3f}",
+                  *([f"{s['truncated']:.0%}" if "truncated" in s else "-"] if cut else []))
     return t
 
 

@@ -140,7 +140,9 @@ def summarize_steps(steps: dict[str, list[dict[str, Any]]]) -> dict[str, dict[st
         rewards = [float(r["reward_mean"]) for r in recs]
         k = max(1, int(len(rewards) * SUMMARY_FRACTION))
         first, last = _mean(rewards[:k]), _mean(rewards[-k:])
-        summary[model] = {"steps": len(rewards), "first": first, "last": last, "delta": last - first}
+        cut = [float(r["truncated"]) for r in recs if isinstance(r.get("truncated"), int | float)]
+        summary[model] = {"steps": len(rewards), "first": first, "last": last, "delta": last - first,
+                          **({"truncated": _mean(cut)} if cut else {})}
     return summary
 
 

@@ -198,6 +198,7 @@ async def test_a_reward_function_that_fails_on_every_reply_stops_the_run_with_th
     assert code == 1, text[-3000:]
     assert "stopped the run (exit 78" in flat and "reward.max_errors 16" in flat, text[-3000:]
     assert "ValueError: no answer in the reply" in flat
+    assert "coordinator: dropped" in flat and "samples whose reward function failed (reward.function)" in flat, text[-1500:]
     print(text[-1500:])
 
 

@@ -72,3 +72,43 @@ def test_reward_errors_in_a_row_stop_the_run_and_a_scored_sample_resets_the_coun
     stop = health.record(failed)[1]  # 12 >= 10
     assert stop is not None and stop.startswith("the reward function failed on 12 samples in a row (reward.max_errors "
                                                 "10)") and "ValueError: x" in stop and "reward.function" in stop
+
+
+def test_the_share_of_replies_cut_at_max_new_tokens_is_a_step_metric_and_in_the_final_table():
+    from rich.console import Console
+
+    from services.trainer.intake import StepBook
+    from shared.launcher.views import summary_table
+    from shared.results.plotting import summarize_steps
+
+    ep = episode([0.0, 1.0, 0.0, 1.0])
+    for s, cut in zip(ep.samples, (True, False, True, True), strict=True):
+        s.truncated = cut
+    book = StepBook()
+    book.add(ep.samples, version=1)
+    assert book.summary()["truncated"] == 0.75
+    steps = {"m": [{"reward_mean": 0.5, "truncated": 0.75}, {"reward_mean": 0.5, "truncated": 0.25}],
+             "old": [{"reward_mean": 0.1}]}  # a record from before the field: no share, shown as "-"
+    summary = summarize_steps(steps)
+    assert summary["m"]["truncated"] == 0.5 and "truncated" not in summary["old"]
+    console = Console(width=120, record=True)
+    console.print(summary_table(summary))
+    text = console.export_text()
+    assert "cut at max_new_tokens" in text and "50%" in text
+
+
+def test_the_coordinators_drops_are_in_the_progress_line_and_the_final_summary():
+    from shared.launcher.progress import ProgressView, RunTracker
+
+    tracker = RunTracker.for_models(["m"], 10)
+    assert tracker.coordinator_line() is None
+    tracker.on_metrics({"service": "trainer", "counters": {"samples_dropped_reward_error": 9}})  # not the coordinator's
+    tracker.on_metrics({"service": "coordinator", "counters": {"samples_dropped_reward_error": 32,
+                                                               "groups_incomplete_dropped": 4, "tasks_done": 7}})
+    tracker.on_metrics({"service": "coordinator", "counters": {"samples_dropped_reward_error": 30}})  # an older one
+    assert tracker.sample_lines() == [
+        "m: 0 samples trained, none dropped",
+        "coordinator: dropped 32 samples whose reward function failed (reward.function); 4 groups not every rollout "
+        "reached (dropped whole)"]
+    assert ProgressView(tracker).log_line() == ("progress: m 0/10 reward -; coordinator dropped 32 reward_error, "
+                                                "4 groups_incomplete (waiting for the first version)")

@@ -238,6 +238,7 @@ def make_sample(cfg: ChorusConfig, task: Task, env_idx: int, agent: str, turn: i
         response_ids=Array.of(row.ids, "int32"),
         behavior_logprobs=Array.of(row.logprobs, "float32"),
         reward=reward,
+        truncated=not row.finished,
         group_key=f"{task.task_id}:{agent}:{turn}",
         group_size=cfg.workflow.group_size,
         version=row.version,

@@ -207,6 +207,7 @@ function renderCards() {
     card.className = "card"; card.style.setProperty("--c", color(m)); card.dataset.model = m;
     const cells = [["version", `${v} / ${S.max}`], ["reward", last ? ChorusChart.fmt(last[F("reward_mean")]) : "–"],
       ["held-out", held || "–"], ["staleness", last ? `${ChorusChart.fmt(last[F("staleness_mean")])} (max ${last[F("staleness_max")]})` : "–"],
+      ["cut at max_new_tokens", last && typeof last[F("truncated")] === "number" ? `${Math.round(100 * last[F("truncated")])}%` : "–"],
       ["mq depth", mq ? String(mq.depth) : "–"], ["tokens/s", ro && ro.tokens_per_s !== undefined ? ChorusChart.fmt(ro.tokens_per_s) : "–"]];
     const h = document.createElement("h3"); h.textContent = m; card.appendChild(h);
     const t = document.createElement("table");
