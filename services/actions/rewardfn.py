@@ -33,7 +33,11 @@ def load(spec: str) -> Callable[..., Any]:
     module_spec.loader.exec_module(module)
     fn = getattr(module, name, None)
     if not callable(fn):
-        raise ValueError(f"reward.function: {path} defines no function {name!r}")
+        import inspect
+
+        defined = sorted(n for n, v in vars(module).items() if inspect.isfunction(v) and v.__module__ == module.__name__)
+        raise ValueError(f"reward.function: {path} defines no function {name!r} (its functions: "
+                         f"{', '.join(defined) or 'none'})")
     _CACHE[spec] = (mtime, fn)
     return fn
 

@@ -22,11 +22,12 @@ import json
 import mimetypes
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shared.launcher.runfiles import SUMMARY
 from shared.launcher.views import section
 from shared.results.promexport import read_request
 
@@ -400,9 +401,11 @@ class Feed:
             self.push()
 
 
-async def follow_bus(feed: Feed, cfg: Any, url: str, stop: asyncio.Event) -> None:
+async def follow_bus(feed: Feed, cfg: Any, url: str, stop: asyncio.Event,
+                     ended: Callable[[], bool] = lambda: False) -> None:
     """Subscribe to the run's metrics, events and sampled episodes as the observer until ``stop``; the state says
-    whether the bus is there ("live"), gone ("bus gone") or never answered ("offline")."""
+    whether the run has ended ("finished": `chorus up` wrote its summary; a server left running does not make an
+    ended run live), the bus is there ("live"), gone ("bus gone") or never answered ("offline")."""
     from shared.kernel.bus import connect
     from shared.kernel.subjects import Names
 
@@ -421,11 +424,11 @@ async def follow_bus(feed: Feed, cfg: Any, url: str, stop: asyncio.Event) -> Non
         for subject in (names.metrics_all(), names.events_all(), names.samples()):
             await nc.subscribe(subject, cb=on_msg)
         await nc.flush()
-        feed.set_live("live")
+        feed.set_live("finished" if ended() else "live")
         while not stop.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), 1.0)
-            feed.set_live("live" if nc.is_connected else "bus gone")
+            feed.set_live("finished" if ended() else "live" if nc.is_connected else "bus gone")
     finally:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(nc.close(), 5)
@@ -516,11 +519,13 @@ class Dashboard:
         return f"http://{host}:{port}/"
 
     async def start(self) -> Dashboard:
+        run_dir = self.run_dir if self.run_dir is not None else Path(self.cfg.run_dir)
         if self.url:  # subscribe first, then read the files: what arrives in between is deduplicated
-            self.tasks.append(asyncio.create_task(follow_bus(self.feed, self.cfg, self.url, self.stop)))
+            summary = run_dir / SUMMARY
+            self.tasks.append(asyncio.create_task(follow_bus(self.feed, self.cfg, self.url, self.stop,
+                                                             ended=summary.is_file)))
         else:
             self.state.live = "offline"
-        run_dir = self.run_dir if self.run_dir is not None else Path(self.cfg.run_dir)
         apply_run_dir(self.state, await asyncio.to_thread(read_run_dir, run_dir))
         self.feed.pending = [u for u in self.feed.pending if u["t"] in ("live", "note")]
         self.server = await serve(self.feed, self.host, self.port)

@@ -63,6 +63,7 @@ class RunTracker:
     max_versions: int
     models: dict[str, ModelProgress] = field(default_factory=dict)
     coordinator: dict[str, int] = field(default_factory=dict)  # its drop counters (COORDINATOR_DROPS), latest
+    coordinator_before: dict[str, int] = field(default_factory=dict)  # a resumed run's, from before the resume
 
     @classmethod
     def for_models(cls, models: list[str], max_versions: int) -> RunTracker:
@@ -95,6 +96,29 @@ class RunTracker:
         if p.version >= self.max_versions:
             p.done = True
 
+    def seed(self, steps: list[dict[str, Any]], summary: dict[str, Any] | None) -> None:
+        """A resumed run: the steps already in metrics.jsonl count as trained (each version once, as the step
+        events of this run do), the drops of the previous `chorus up` (its summary.json) as dropped."""
+        for rec in steps:
+            p = self.models.get(rec.get("model"))  # type: ignore[arg-type]
+            version, samples = rec.get("version"), rec.get("samples")
+            if p is None or not isinstance(version, int) or not isinstance(samples, int) or version in p.steps_seen:
+                continue
+            p.steps_seen.add(version)
+            p.trained += samples
+            p.version = max(p.version, version)
+        models = (summary or {}).get("models")
+        for name, before in (models.items() if isinstance(models, dict) else ()):
+            dropped = before.get("dropped") if isinstance(before, dict) else None
+            if name in self.models and isinstance(dropped, dict):
+                for reason, n in dropped.items():
+                    if isinstance(n, int):
+                        self.models[name].dropped[reason] = self.models[name].dropped.get(reason, 0) + n
+        old = (summary or {}).get("coordinator_dropped")
+        for key, n in (old.items() if isinstance(old, dict) else ()):
+            if isinstance(n, int):
+                self.coordinator_before[key] = n
+
     def on_metrics(self, m: Any) -> None:
         """Take the coordinator's drop counters from one metrics message; anything else is ignored."""
         if not isinstance(m, dict) or m.get("service") != "coordinator" or not isinstance(m.get("counters"), dict):
@@ -104,9 +128,14 @@ class RunTracker:
             if isinstance(value, int) and value >= self.coordinator.get(key, 0):
                 self.coordinator[key] = value
 
+    def coordinator_total(self) -> dict[str, int]:
+        """The coordinator's drops by counter since the run started (a resumed run's before it too)."""
+        total = {k: self.coordinator.get(k, 0) + self.coordinator_before.get(k, 0) for k in COORDINATOR_DROPS}
+        return {k: n for k, n in total.items() if n}
+
     def coordinator_line(self) -> str | None:
         """What the coordinator dropped before publishing anything, by reason; None when nothing."""
-        parts = [f"{n} {COORDINATOR_DROPS[k]}" for k, n in self.coordinator.items() if n]
+        parts = [f"{n} {COORDINATOR_DROPS[k]}" for k, n in self.coordinator_total().items()]
         return f"coordinator: dropped {'; '.join(parts)}" if parts else None
 
     def sample_lines(self) -> list[str]:

@@ -147,12 +147,15 @@ def offline_view(cfg: ChorusConfig, run_dir: Path) -> tuple[bool | None, Rendera
     kept = best.read_record(run_dir)
     if kept is not None:
         versions = ", ".join(f"{m} v{v}" for m, v in sorted(kept["versions"].items()))
+        model = " --model M" if len(cfg.models) > 1 else ""  # with one model, export needs no --model
         parts.append(f"best held-out version: {versions} (final answer {float(kept['final']):.3f}); "
-                     f"chorus export {run_dir} --model M --version best --out DIR")
+                     f"chorus export {run_dir}{model} --version best --out DIR")
     ckpts = run_dir / "checkpoints"
     if ckpts.is_dir():
         files = sorted(p.relative_to(run_dir).as_posix() for p in ckpts.rglob("*") if p.is_file()
                        and not p.name.startswith("."))
         parts.append(f"checkpoints: {', '.join(files) if files else 'none'}")
-    parts.append(f"logs: {run_dir / 'logs'}; plots: {run_dir / 'reward.png'}, {run_dir / 'training.png'}")
+    plots = [p for p in (run_dir / "reward.png", run_dir / "training.png") if p.is_file()]  # only those written
+    shown = ", ".join(map(str, plots)) if plots else f"none (`chorus plot {run_dir}` writes them)"
+    parts.append(f"logs: {run_dir / 'logs'}; plots: {shown}")
     return done, Group(*parts)

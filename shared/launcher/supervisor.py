@@ -52,10 +52,10 @@ from shared.launcher.deploy import unique_run_id
 from shared.launcher.localauth import LocalAuth
 from shared.launcher.natsserver import NatsServer, free_port
 from shared.launcher.progress import ProgressView, RunTracker, make_console
-from shared.launcher.runfiles import write_summary
+from shared.launcher.runfiles import read_summary, write_summary
 from shared.launcher.views import eval_line, report_tables
 from shared.models.loading import smollm2_dir_if_ready
-from shared.results.plotting import plot_run, plot_training
+from shared.results.plotting import load_metrics, plot_run, plot_training
 
 STOP_GRACE_S = 20.0
 DRAIN_GRACE_S = 10.0  # the coordinator finishes the episodes in hand before it stops
@@ -515,6 +515,9 @@ async def run_up(config_path: Path | None, *, timeout_s: float | None = None, co
         config_file.write_text(cfg.dump_yaml())
         kv, _ = await ensure_run(nc.jetstream(timeout=10.0), cfg)  # before any child: no creation races
         tracker = RunTracker.for_models(list(cfg.models), cfg.train.max_versions)
+        if resume is not None:  # the summary counts every sample trained since the run started
+            tracker.seed(load_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").is_file() else [],
+                         read_summary(run_dir))
 
         async def on_event(msg: Msg) -> None:
             with contextlib.suppress(DecodeError):
@@ -588,9 +591,12 @@ async def run_up(config_path: Path | None, *, timeout_s: float | None = None, co
         write_summary(run_dir, code=code, started=started, models={m: {"version": p.version, "trained": p.trained,
                                                       "dropped": dict(p.dropped), "out_of_memory": oom_counts[m]}
                                                       for m, p in tracker.models.items()},
-                      coordinator_dropped=dict(tracker.coordinator))
+                      coordinator_dropped=tracker.coordinator_total())
         console.print(f"`chorus status {run_dir}` reads the results from the run directory once the run's "
                       f"server is gone; `chorus samples {run_dir}` shows what the agents said", highlight=False)
+    if code in (130, 143):  # interrupted: every committed version is kept
+        console.print(f"interrupted at the versions above; continue the run with `chorus up --resume {run_dir}`",
+                      style="yellow", highlight=False, markup=False)
     return code
 
 

@@ -25,6 +25,15 @@ def report_tables(metrics: Path) -> list[Table]:
     return [summary_table(summarize(metrics)), *([eval_table(evals)] if evals else [])]
 
 
+def versions_label(ev: Mapping[str, Any]) -> str:
+    """``version 20``, or ``versions 20-25`` for a mid-run evaluation whose rollouts spanned several versions (the
+    trainer went on while it ran)."""
+    low, high = ev.get("version"), ev.get("version_max")
+    if isinstance(high, int) and isinstance(low, int) and high > low:
+        return f"versions {low}-{high}"
+    return f"version {low}"
+
+
 def eval_line(ev: dict[str, Any]) -> str:
     """One evaluation as a progress line: ``held-out pass@1 at version 20: final answer 0.417 (solver 0.417, ...)``,
     then Maj@N and the tokens per question when the record has them."""
@@ -34,8 +43,8 @@ def eval_line(ev: dict[str, Any]) -> str:
     final = ev.get("final")
     final_text = f"{final:.3f}" if isinstance(final, int | float) else "?"
     n = ev.get("samples", 1)
-    line = f"held-out pass@1{f' (mean of {n})' if isinstance(n, int) and n > 1 else ''} at version " \
-           f"{ev.get('version')}: final answer {final_text}" + (f" ({agents})" if agents else "")
+    line = f"held-out pass@1{f' (mean of {n})' if isinstance(n, int) and n > 1 else ''} at {versions_label(ev)}: " \
+           f"final answer {final_text}" + (f" ({agents})" if agents else "")
     maj = ev.get("maj")
     if isinstance(n, int) and n > 1 and isinstance(maj, dict) and isinstance(maj.get("final"), int | float):
         line += f"; Maj@{n} {maj['final']:.3f}"

@@ -161,6 +161,11 @@ def model_dir(cfg: ChorusConfig, name: str) -> Path | None:
     if m.source == "smollm2":
         return smollm2_dir(cfg.cache_dir)
     assert m.path is not None
+    if not m.path.exists():
+        raise FileNotFoundError(f"models.{name}.path: {m.path} does not exist (a relative path is read beside the "
+                                f"config file, then in the working directory)")
+    if not m.path.is_dir():
+        raise FileNotFoundError(f"models.{name}.path: {m.path} is a file, not a model directory")
     if not (m.path / "config.json").is_file():
         raise FileNotFoundError(f"models.{name}.path: {m.path} is not a Hugging Face model directory (no config.json)")
     return m.path

@@ -20,6 +20,7 @@ from shared.kernel.bus import kv_get_int
 from shared.kernel.subjects import Names
 from shared.launcher.natsserver import NatsServer
 from shared.launcher.supervisor import descendants
+from shared.results.plotting import load_metrics
 from tests.faults.harness import MODELS, fault_config
 from tests.faults.ledger import Ledger, violations
 from tests.waits import connect
@@ -119,6 +120,11 @@ async def killed_and_resumed(tmp_path: Path, run_id: str, config: Path, services
         text = out.decode(errors="replace")
         assert resumed.returncode == 0, text[-3000:]
         assert "resuming run" in text
+        # the resumed run's summary counts every sample trained since the run started, as metrics.jsonl has them
+        steps = {(r["model"], r["version"]): r["samples"] for r in load_metrics(run_dir / "metrics.jsonl")}
+        for m in MODELS:
+            trained = sum(n for (model, _), n in steps.items() if model == m)
+            assert f"{m}: {trained} samples trained" in text, (m, trained, text[-2000:])
         await ledgers[-1].close()
     finally:
         with contextlib.suppress(ProcessLookupError):

@@ -150,6 +150,9 @@ def test_an_eval_event_prints_as_one_line_of_rounded_figures() -> None:
     ev = {"kind": "eval", "version": 20, "final": 5 / 12, "pass1": {"solver": 5 / 12, "verifier": 0.5}}
     assert eval_line(ev) == "held-out pass@1 at version 20: final answer 0.417 (solver 0.417, verifier 0.500)"
     assert eval_line({"version": 3, "pass1": "junk"}) == "held-out pass@1 at version 3: final answer ?"
+    # a mid-run evaluation whose rollouts spanned the versions the trainer reached meanwhile says so
+    assert eval_line({**ev, "version_max": 25}).startswith("held-out pass@1 at versions 20-25: final answer 0.417")
+    assert eval_line({**ev, "version_max": 20}).startswith("held-out pass@1 at version 20:")
 
 
 def test_the_loss_statistics_and_the_evaluation_figures_are_plotted_and_tabled(tmp_path: Path) -> None:

@@ -42,8 +42,18 @@ def test_the_shipped_tiny_config_has_no_problems(tmp_path: Path) -> None:
 def test_a_missing_model_directory_is_named_by_its_key_and_path(tmp_path: Path) -> None:
     missing = tmp_path / "no-such-model"
     found = precheck.problems(config(tmp_path, **hf(missing)))
-    assert len(found) == 1 and found[0].startswith(f"models.solver_lm.path: {missing}"), found
-    assert "config.json" in found[0]
+    assert len(found) == 1 and found[0].startswith(f"models.solver_lm.path: {missing} does not exist"), found
+    empty = hf_dir(tmp_path / "empty")
+    found = precheck.problems(config(tmp_path, **hf(empty)))
+    assert len(found) == 1 and "is not a Hugging Face model directory (no config.json)" in found[0], found
+
+
+def test_a_missing_reward_function_lists_the_functions_its_file_has(tmp_path: Path) -> None:
+    (tmp_path / "reward.py").write_text("import math\n\ndef score(*a, **k):\n    return 1.0\n\n"
+                                        "def other(*a, **k):\n    return 0.0\n")
+    found = precheck.function_problems(config(tmp_path, reward={"function": "reward.py:compute_score"}))
+    assert len(found) == 1 and found[0].endswith("defines no function 'compute_score' (its functions: other, "
+                                                 "score)"), found
 
 
 def test_a_model_directory_without_weights_or_tokenizer_is_a_problem(tmp_path: Path) -> None:

@@ -112,3 +112,18 @@ def test_the_coordinators_drops_are_in_the_progress_line_and_the_final_summary()
         "reached (dropped whole)"]
     assert ProgressView(tracker).log_line() == ("progress: m 0/10 reward -; coordinator dropped 32 reward_error, "
                                                 "4 groups_incomplete (waiting for the first version)")
+
+
+def test_a_resumed_run_counts_every_sample_trained_since_the_run_started():
+    from shared.launcher.progress import RunTracker
+
+    tracker = RunTracker.for_models(["m"], 10)
+    before = [{"model": "m", "version": v, "samples": 48} for v in (1, 2, 3, 4)] + [{"model": "m", "kind": "eval"}]
+    tracker.seed(before, {"models": {"m": {"dropped": {"finished": 16}}},
+                          "coordinator_dropped": {"samples_dropped_reward_error": 3}})
+    tracker.on_event({"kind": "step", "model": "m", "version": 4, "samples": 48})  # already counted
+    tracker.on_event({"kind": "step", "model": "m", "version": 5, "samples": 48})
+    tracker.on_metrics({"service": "coordinator", "counters": {"samples_dropped_reward_error": 2}})
+    lines = tracker.sample_lines()
+    assert lines[0] == "m: 240 samples trained; 16 dropped: 16 arrived after the last version (train.max_versions)"
+    assert lines[1].startswith("coordinator: dropped 5 samples whose reward function failed")

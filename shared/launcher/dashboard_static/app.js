@@ -66,7 +66,7 @@ function apply(u) {
 function setLive(live) {
   S.live = live;
   const el = $("live");
-  el.textContent = live === "live" ? "live" : live === "offline" ? "run directory" : live;
+  el.textContent = live === "live" ? "live" : live === "offline" ? "run directory" : live === "finished" ? "finished" : live;
   el.className = "badge " + (live === "live" ? "live" : live === "bus gone" ? "gone" : "offline");
 }
 
