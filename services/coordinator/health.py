@@ -22,7 +22,7 @@ class RewardHealth:
     cfg: ChorusConfig
     warn_groups: int = 0  # flat groups in a row (per model) that make a warning: reward.warn_after_steps steps' worth
     flat: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    flat_rewards: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    flat_sum: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # of the flat groups' reward
     warned: set[str] = field(default_factory=set)
     replies: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     truncated: dict[str, int] = field(default_factory=lambda: defaultdict(int))
@@ -51,11 +51,11 @@ class RewardHealth:
             if len(rewards) < 2:
                 continue
             if max(rewards) - min(rewards) > 0:
-                self.flat[model], self.flat_rewards[model] = 0, []
+                self.flat[model], self.flat_sum[model] = 0, 0.0
                 self.warned.discard(model)
                 continue
             self.flat[model] += 1
-            self.flat_rewards[model].append(rewards[0])
+            self.flat_sum[model] += rewards[0]
             if self.flat[model] >= self.warn_groups and model not in self.warned:
                 self.warned.add(model)
                 warnings.append(self._flat_warning(model))
@@ -77,8 +77,7 @@ class RewardHealth:
         return self.truncated[model] / self.replies[model] if self.replies[model] else 0.0
 
     def _flat_warning(self, model: str) -> dict[str, Any]:
-        rewards = self.flat_rewards[model]
-        mean = sum(rewards) / len(rewards)
+        mean = self.flat_sum[model] / max(1, self.flat[model])
         steps = self.cfg.reward.warn_after_steps
         head = (f"model {model}: each of its last {self.flat[model]} groups ({steps} steps' worth) gave every sample "
                 f"the same reward (mean {mean:.3f}): a group-relative advantage is 0, nothing is learned")
