@@ -272,6 +272,7 @@ class Channel:
         self.handles: dict[int, int] = {}  # id(object) -> its handle
         self.remotes: dict[int, Remote] = {}  # handle -> the one proxy of the other side's object
         self.buf = b""
+        self.ended: str | None = None  # how the other process ended, once known
 
     # --- data <-> this side's objects
     def export(self, value: object) -> int:
@@ -305,8 +306,11 @@ class Channel:
         if len(data) >= LINE_LIMIT:
             raise Unserialisable(f"value too large to send (over {LINE_LIMIT} bytes)")
         data += b"\n"
-        while data:
-            data = data[os.write(self.wfd, data):]
+        try:
+            while data:
+                data = data[os.write(self.wfd, data):]
+        except BrokenPipeError:
+            raise CodeError(self.gone()) from None
 
     def read(self) -> dict[str, object]:
         while b"\n" not in self.buf:
@@ -326,14 +330,20 @@ class Channel:
         return cast("dict[str, object]", message)
 
     def gone(self) -> str:
-        """How the other process ended (the tests' side knows: the code's process is its child)."""
-        if self.peer:
-            for _ in range(50):
-                pid, status = os.waitpid(self.peer, os.WNOHANG)
+        """How the other process ended (the tests' side knows: the code's process is its child); the same answer
+        every time it is asked."""
+        if self.ended is None:
+            self.ended = "the code's process closed its end before answering"
+            for _ in range(50 if self.peer else 0):
+                try:
+                    pid, status = os.waitpid(self.peer, os.WNOHANG)
+                except ChildProcessError:
+                    break
                 if pid:
-                    return "the code's process " + exit_text(status)
+                    self.ended = "the code's process " + exit_text(status)
+                    break
                 select.select([], [], [], 0.01)
-        return "the code's process closed its end before answering"
+        return self.ended
 
     # --- asking
     def ask(self, op: str, handle: int, **kw: object) -> object:
