@@ -43,8 +43,10 @@ async def critique(ctx: Any, task: Any) -> dict[str, Any]:
     (final,) = await ctx.generate(solver, [revise_input])
 
     kind = check_kind(ctx)
+    shaped = ctx.cfg.reward.partial_credit  # reward.partial_credit: a near number earns part of the reward
     checks = await ctx.act(kind, [
-        {"expected": task.answer, "response": row.text, "finished": row.finished} for row in (draft, final)
+        {"expected": task.answer, "response": row.text, "finished": row.finished, "partial_credit": shaped}
+        for row in (draft, final)
     ])
     draft_reward, final_reward = (float(c.get("reward", 0.0)) for c in checks)
     return {

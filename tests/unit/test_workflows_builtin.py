@@ -33,7 +33,7 @@ def config(workflow: dict[str, Any], agents: dict[str, str], group_size: int = 3
         "workflow": {"group_size": group_size, "max_new_tokens": 8, **workflow},
         "task": {"name": task},
         "train": {"global_batch": group_size * 4},
-        "reward": reward or {},
+        "reward": {"partial_credit": True, **(reward or {})},  # the shipped arithmetic configs' shaping
     }
     return ChorusConfig(**yaml.safe_load(yaml.safe_dump(data)))
 

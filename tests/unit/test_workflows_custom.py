@@ -32,6 +32,7 @@ def custom_config(function: str, agents: dict[str, str] | None = None, group_siz
         "agents": {a: {"model": m, "prompt": f"<{a}>"} for a, m in agents.items()},
         "workflow": {"name": "custom", "function": function, "agents": list(agents), "group_size": group_size},
         "train": {"global_batch": group_size * 2},
+        "reward": {"partial_credit": True},  # the shipped arithmetic configs' shaping
         **sections,
     }
     return ChorusConfig(**yaml.safe_load(yaml.safe_dump(data)))
