@@ -23,6 +23,10 @@ MODELS = ["solver_lm", "verifier_lm"]
 NATS_URL = "nats://127.0.0.1:4222"
 IMAGE = "chorus:latest"
 BUILD_FAILED = "failed to solve:"  # BuildKit's last line when a step of the Dockerfile failed
+# A test's own limit, under pytest's (1200 s, setup and teardown included): every wait of a test takes what is left
+# of it, so a stuck run fails with the stack's state and logs rather than a bare stack dump from pytest-timeout
+BUDGET_S = 1020.0
+PROGRESS_S = 60.0  # a wait says where training is this often
 
 
 @dataclass
@@ -31,8 +35,10 @@ class Stack:
     work: Path
     env: dict[str, str] = field(default_factory=dict)  # set in every Chorus service's environment
     override: Path = field(init=False)
+    deadline: float = field(init=False)  # the test's own limit (BUDGET_S from when the stack was made)
 
     def __post_init__(self) -> None:
+        self.deadline = time.monotonic() + BUDGET_S
         self.override = self.work / "docker-compose.test.yml"
         services: dict[str, Any] = {}
         for name, s in self.config()["services"].items():
@@ -90,8 +96,35 @@ class Stack:
                            check=True)
         return dict(json.loads(r.stdout)[0])
 
-    def logs(self, *services: str) -> str:
-        return self.run("logs", "--no-color", *services, timeout=300, check=False).stdout
+    def logs(self, *services: str, tail: int | None = None) -> str:
+        return self.run("logs", "--no-color", *([f"--tail={tail}"] if tail else []), *services, timeout=300,
+                        check=False).stdout
+
+    # --- the test's own limit ----------------------------------------------------------------------------------
+    def left(self, want: float, what: str) -> float:
+        """``want`` seconds, or what is left of the test's limit if less; past the limit, the stack's state."""
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise AssertionError(f"{what}: the test's {BUDGET_S:.0f} s are spent\n{self.state()}")
+        return min(want, left)
+
+    def state(self) -> str:
+        """Each container's state and restarts, and the last lines of each service's log."""
+        ps = self.run("ps", "-a", "--format", "{{.Service}}: {{.State}} {{.Status}}", timeout=60, check=False).stdout
+        return f"{ps}\n{self.logs(tail=30)[-12000:]}"
+
+    async def wait_exit(self, proc: subprocess.Popen[bytes], want: float, what: str) -> int:
+        try:
+            return await asyncio.to_thread(proc.wait, self.left(want, what))
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{what}: not within the test's limit\n{self.state()}") from None
+
+    async def run_async(self, *args: str, want: float, what: str) -> subprocess.CompletedProcess[str]:
+        """``docker compose <args>`` off the event loop (the ledger's connection keeps being served)."""
+        try:
+            return await asyncio.to_thread(self.run, *args, timeout=self.left(want, what), check=False)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{what}: not within the test's limit\n{self.state()}") from None
 
     def leftovers(self) -> dict[str, list[str]]:
         """Containers, networks and volumes of the project that docker still has."""
@@ -108,7 +141,7 @@ class Stack:
                      log: Path | None = None) -> tuple[str, Ledger]:
         """Once the stack's run id and credentials are written and NATS answers: the run id, and a ledger
         connected as the stack's admin. An ``up`` that exits first fails it at once, with the tail of its ``log``."""
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + self.left(timeout_s, "the run id")
         run_id = password = None
         while time.monotonic() < deadline:
             if up is not None and up.poll() is not None:
@@ -125,7 +158,7 @@ class Stack:
         raise AssertionError(f"no run id, credentials or NATS within {timeout_s:.0f}s (run id {run_id!r})")
 
     async def reattach(self, ledger: Ledger, timeout_s: float = 120) -> None:
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + self.left(timeout_s, "the ledger's connection again")
         while True:
             try:
                 await ledger.start()
@@ -137,7 +170,10 @@ class Stack:
 
     async def wait_trained(self, ledger: Ledger, version: int, timeout_s: float, what: str,
                            proc: subprocess.Popen[bytes] | None = None) -> dict[str, int]:
-        deadline = time.monotonic() + timeout_s
+        t0 = time.monotonic()
+        deadline = t0 + self.left(timeout_s, what)
+        said = t0
+        trained: dict[str, int] = {}
         while time.monotonic() < deadline:
             with contextlib.suppress(Exception):
                 trained = await ledger.trained()
@@ -145,8 +181,12 @@ class Stack:
                     return trained
             if proc is not None and proc.poll() is not None:
                 raise AssertionError(f"docker compose up exited {proc.returncode} before {what}")
+            if time.monotonic() - said >= PROGRESS_S:
+                said = time.monotonic()
+                say(f"{what}: trained {trained or 'unknown'} after {said - t0:.0f}s")
             await asyncio.sleep(1.0)
-        raise AssertionError(f"{what}: not within {timeout_s:.0f}s\n{self.logs()[-6000:]}")
+        raise AssertionError(f"{what}: not within {deadline - t0:.0f}s (trained {trained or 'unknown'})\n"
+                             f"{self.state()}")
 
     def down(self) -> float:
         t = self.timed("down", "-v", "--remove-orphans", timeout=300)

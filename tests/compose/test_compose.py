@@ -44,7 +44,7 @@ async def test_compose_up_runs_the_tiny_run_to_the_end_and_down_leaves_nothing(s
         run_id, ledger = await stack.attach(up=up, log=stack.work / "up.log")
         await stack.wait_trained(ledger, 1, 900, "a first version", up)
         first_step = round(time.monotonic() - t0, 1)
-        code = await asyncio.to_thread(up.wait, 1800)
+        code = await stack.wait_exit(up, 1800, "docker compose up's exit")
         up_s = round(time.monotonic() - t0, 1)
         assert code == 0, (stack.work / "up.log").read_text()[-6000:]
         # stopped with the stack, the books are read from its store: `docker start` of its container alone
@@ -77,7 +77,7 @@ async def test_compose_up_runs_the_tiny_run_to_the_end_and_down_leaves_nothing(s
                          ids=[f"{KILL_VERSIONS}-versions"])
 async def test_killed_containers_come_back_and_the_run_loses_nothing(stack: Stack) -> None:
     t0 = time.monotonic()
-    stack.run("up", "-d", timeout=900)
+    stack.run("up", "-d", timeout=stack.left(900, "docker compose up -d"))
     run_id, ledger = await stack.attach()
     killed = []
     try:
@@ -102,7 +102,7 @@ async def test_killed_containers_come_back_and_the_run_loses_nothing(stack: Stac
                                              f"training after {service}")
             killed.append((service, landed, back, moved))
             say(f"SIGKILL of {service}'s process at {landed}: running again after {back}s, training went on to {moved}")
-        r = stack.run("wait", "coordinator", timeout=1800, check=False)
+        r = await stack.run_async("wait", "coordinator", want=1800, what="the coordinator's exit")
         # the coordinator's exit code: compose's own, and in its words
         assert r.returncode == 0 and re.search(r"(status code |^)0$", r.stdout.strip()), (r.stdout, r.stderr)
         trained = await stack.wait_trained(ledger, KILL_VERSIONS, 120, "the books")
