@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.compose.engine import Engine, say
-from tests.compose.stack import IMAGE, Stack
+from tests.compose.stack import BUDGET_S, IMAGE, Stack
 
 pytestmark = pytest.mark.compose
 WORK = Path("/var/tmp/chorus-compose-test")  # base images, the torch index: kept between runs
@@ -58,6 +58,7 @@ def built(engine: Engine, tmp_path_factory: pytest.TempPathFactory) -> float:
 @pytest.fixture
 def stack(engine: Engine, built: float, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Stack]:
     env = getattr(request, "param", {})
+    say(f"{request.node.name}: started (its limit {BUDGET_S:.0f} s)")
     s = Stack(engine, tmp_path, env=env)
     s.run("down", "-v", "--remove-orphans", timeout=300, check=False)  # whatever an earlier run left
     yield s
