@@ -129,7 +129,7 @@ class Commits:
 
     async def _swap(self, ann: WeightsAnnounce) -> None:
         """Compare-and-swap the commit point from ``self.revision`` to ``ann``. A lost reply is told from a lost
-        race by reading the key back: holding exactly our announce means our write went through."""
+        race by reading the key back: holding our announce of this version means our write went through."""
         data = encode(ann)
         for attempt in range(1, ATTEMPTS + 1):
             try:
@@ -139,7 +139,7 @@ class Commits:
                     self.revision = await self.kv.create(self.key, data)
                 return
             except KeyWrongLastSequenceError:
-                if await self._ours(data):
+                if await self._ours(ann):
                     return
                 raise Fenced(f"another trainer of {self.model} committed since revision {self.revision}; "
                              f"this one (epoch {self.epoch}) is stale") from None
@@ -150,15 +150,23 @@ class Commits:
                     raise
                 await asyncio.sleep(BACKOFF_S * attempt)
                 with contextlib.suppress(nats.errors.Error, TimeoutError):
-                    if await self._ours(data):
+                    if await self._ours(ann):
                         return
 
-    async def _ours(self, data: bytes) -> bool:
+    async def _ours(self, ann: WeightsAnnounce) -> bool:
+        """Whether the commit point holds ``ann``'s version as this trainer wrote it: the same objects, whose names
+        carry this trainer's epoch. Not the same bytes: a commit retried after its reply was lost (the broker away
+        past the swap's attempts) announces the same objects again with a new ``created_at``."""
         try:
             entry = await self.kv.get(self.key)
         except KeyNotFoundError:
             return False
-        if entry.value == data:
+        try:
+            held = decode(WeightsAnnounce, entry.value or b"")
+        except DecodeError:
+            return False
+        if (held.version, held.object_name, held.state_object, held.checksum) == (
+                ann.version, ann.object_name, ann.state_object, ann.checksum):
             self.revision = int(entry.revision or 0)
             return True
         return False

@@ -367,6 +367,41 @@ async def test_a_stale_trainer_loses_the_commit_to_a_newer_one(nats_url, run_id,
         await nc.close()
 
 
+async def test_a_commit_retried_after_its_reply_was_lost_is_its_own_not_a_newer_trainers(nats_url, run_id, tmp_path):
+    """The swap of v1 landed but its reply was lost (the broker cut off past the swap's attempts) and the trainer
+    committed v1 again: the commit point already holds this trainer's v1 (an announce with another created_at),
+    which is its own write, not a newer trainer's. A trainer of another epoch is still fenced off."""
+    cfg = write_cfg(tmp_path, run_id)
+    names = Names(run_id)
+    nc = await nats.connect(nats_url)
+    try:
+        js = nc.jetstream()
+        kv, _ = await ensure_run(js, cfg)
+
+        def commits(epoch: str) -> Commits:
+            return Commits(js, kv, names, MODEL, NatsSource(cfg, names, MODEL, js), epoch, 64 * 1024)
+
+        mine, stale = commits("mine"), commits("stale")
+        header, buf = flatten(MODEL, 0, {"w": torch.zeros(4)})
+        await mine.commit(header, buf, b"state v0", "nats")
+        assert (await stale.latest()).version == 0
+        before = mine.revision
+        h1, b1 = flatten(MODEL, 1, {"w": torch.ones(4)})
+        first = await mine.commit(h1, b1, b"state v1", "nats")
+        mine.revision = before  # the swap's reply never came back
+        await asyncio.sleep(0.01)
+        again = await mine.commit(h1, b1, b"state v1", "nats")
+        assert again.created_at != first.created_at and again.object_name == first.object_name
+        assert mine.revision == (await kv.get(mine.key)).revision  # it goes on from its own write
+        h2, b2 = flatten(MODEL, 2, {"w": torch.full((4,), 2.0)})
+        assert (await mine.commit(h2, b2, b"state v2", "nats")).version == 2
+        with pytest.raises(Fenced):
+            await stale.commit(h1, b1, b"state v1 of stale", "nats")
+        assert (await commits("reader").latest()).object_name.endswith("-mine")
+    finally:
+        await nc.close()
+
+
 async def _stream_events(js: Any, names: Names) -> list[dict[str, Any]]:
     sub = await js.subscribe(names.events_all(), ordered_consumer=True)
     out = []
