@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.conftest import ROOT
 from tests.waits import wait_until
@@ -113,8 +114,9 @@ async def test_a_new_user_runs_watches_reads_and_exports_the_tiny_chain(tmp_path
     records = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
     assert len(records) == 3, text
     scored = [(rec, t) for rec in records if not rec["eval"] for t in rec["turns"] if t["reward"] is not None]
+    partial = yaml.safe_load((run_dir / "config.yaml").read_text())["reward"]["partial_credit"]  # the run's shaping
     for rec, t in scored:
-        assert t["reward"] == score_answer(rec["reference"], t["response"])["reward"], (rec, t)
+        assert t["reward"] == score_answer(rec["reference"], t["response"], partial_credit=partial)["reward"], (rec, t)
     code, text = await run(CHORUS, "samples", str(run_dir), "--last", "2", env=env)
     assert code == 0 and records[-1]["question"] in text, text
 

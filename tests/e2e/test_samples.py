@@ -9,6 +9,7 @@ import re
 import subprocess
 
 import nats
+import yaml
 
 from services.actions.actions import score_answer
 from shared.kernel.codec import decode
@@ -48,6 +49,7 @@ async def test_samples_jsonl_holds_the_rewards_the_run_published_and_chorus_samp
     assert path.is_file(), text[-2000:]
     records = [json.loads(line) for line in path.read_text().splitlines()]
     assert len(records) >= 3
+    partial = yaml.safe_load(cfg.read_text())["reward"]["partial_credit"]  # the shaping the config asks for
     compared = 0
     for rec in records:
         assert rec["question"].endswith("=") and rec["reference"].isdigit() and not rec["eval"]
@@ -56,7 +58,7 @@ async def test_samples_jsonl_holds_the_rewards_the_run_published_and_chorus_samp
         assert rec["turns"][0]["prompt_tail"]  # the decoded prompt the solver saw
         for t in rec["turns"]:
             # the task's own check of the response gives the reward recorded ...
-            assert t["reward"] == score_answer(rec["reference"], t["response"])["reward"], (rec, t)
+            assert t["reward"] == score_answer(rec["reference"], t["response"], partial_credit=partial)["reward"], (rec, t)
             # ... and it is the reward of the Sample the coordinator published to the trainer's stream
             sid = Sample.make_id(rec["task_id"], t["turn"], rec["rollout"])
             if t["trained"] and sid in published:
