@@ -140,4 +140,9 @@ async def test_a_vllm_rollouter_killed_mid_run_loses_nothing_and_trains_nothing_
     counters = fault_run.coordinator_status["counters"]
     balance = fault_run.coordinator_status["balance"]
     gone = counters.get("gen_peer_gone", 0) + counters.get("rollouters_expired", 0)
-    assert gone >= 1 and balance["counters"]["rerun_after_loss"] >= 1, fault_run.coordinator_status
+    assert gone >= 1, fault_run.coordinator_status  # the coordinator saw each killed instance gone
+    # What it had in flight alone at the kill ran again elsewhere (the ledger above: nothing lost). How many that
+    # was depends on the moment: a vLLM rollouter between batches, or whose requests a loaded machine had already
+    # re-queued on the other instance, holds none of its own (seen at load 18: 2 gone, 0 to run again).
+    print("killed rollouters' requests run again:", balance["counters"]["rerun_after_loss"],
+          "re-queued after a timeout:", counters.get("gen_requeued", 0))
